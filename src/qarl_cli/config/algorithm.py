@@ -1,0 +1,116 @@
+"""Schema of the `algorithm` config group: which policy objective the update uses, and its constants.
+
+One dataclass per objective; its defaults are that objective's constants (DESIGN.md, "Objectives") and live only
+here: conf/algorithm/*.yaml merely include these schemas. No torch import: `qarl --help` imports this module.
+Formulas and the meaning of every field: docs/objectives.md.
+"""
+
+from dataclasses import dataclass
+
+from omegaconf import MISSING
+
+from qarl_cli.config.errors import require
+
+NAMES = ("tbpo", "gspo", "grpo", "dapo")
+# What corrects for the rollout engine's logprobs (mu) differing from the aligned trainer's (pi_old):
+# nothing, a per-token weight (truncated importance sampling), or one weight per sequence (TBPO's).
+MISMATCH_MODES = ("none", "tis", "seq")
+# How per-token loss terms become one scalar: over all response tokens; per sequence then over sequences;
+# summed per sequence then averaged over sequences.
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Fields every objective shares. "Ratio" is pi_theta / pi_old: per token, or per sequence (the geometric mean
+    over its response tokens), depending on the objective. The MISSING fields are the constants each objective
+    states (see the subclasses)."""
+
+    name: str = MISSING  # option name, one of NAMES; selects the loss function (qarl_cli.objectives.OBJECTIVES)
+    eps_low: float = MISSING  # clip band below 1: the ratio's lower bound is 1 - eps_low; in [0, 1)
+    eps_high: float = MISSING  # clip band above 1: upper bound 1 + eps_high; >= 0 (inf: no upper clip)
+    eps_neg_low: float = MISSING  # with dual_clip, the band of negative-advantage samples: 1 - eps_neg_low; [0, 1)
+    eps_neg_high: float = MISSING  # with dual_clip: upper bound 1 + eps_neg_high for negative samples; >= 0
+    # Negative-advantage samples: True clips their ratio on both sides (no gradient outside
+    # [1 - eps_neg_low, 1 + eps_neg_high]); False applies the plain PPO rule (only the low side stops the gradient).
+    dual_clip: bool = False
+    mismatch: str = "none"  # rollout mismatch correction: one of MISMATCH_MODES
+    mismatch_cap: float = 2.0  # C: the mismatch weight is min(pi_old / mu, C); >= 1 (inf: no cap)
+    # Mask out (weight 0) the tokens ("tis") or sequences ("seq") whose raw mismatch ratio lies outside [1/C, C];
+    # they still count in the loss denominator. Needs mismatch != "none".
+    drop_outside_band: bool = False
+    loss_agg: str = "seq-mean-token-mean"  # one of LOSS_AGGS
+    adv_std_normalize: bool = True  # advantages (r - group mean) / (group std + 1e-6); False: r - group mean
+    drop_no_signal_groups: bool = True  # leave out of the update the groups whose rewards are all equal (A = 0)
+
+    def __post_init__(self) -> None:
+        # Keys are relative to the group: the registry's validate() prefixes "algorithm.".
+        require(self.name in NAMES, "name", self.name, f"must be one of {NAMES}")
+        for key in ("eps_low", "eps_neg_low"):
+            value = getattr(self, key)
+            require(0 <= value < 1, key, value, "must be in [0, 1): the band's lower end 1 - eps is a ratio > 0")
+        for key in ("eps_high", "eps_neg_high"):
+            value = getattr(self, key)
+            require(value >= 0, key, value, "must be >= 0: the band's upper end is 1 + eps")
+        require(self.mismatch in MISMATCH_MODES, "mismatch", self.mismatch, f"must be one of {MISMATCH_MODES}")
+        require(self.mismatch_cap >= 1, "mismatch_cap", self.mismatch_cap,
+                "must be >= 1: a cap below 1 down-weights every sample, and the drop band is [1/cap, cap]")
+        require(not self.drop_outside_band or self.mismatch != "none", "drop_outside_band", self.drop_outside_band,
+                "needs mismatch 'tis' or 'seq': which ratio to test against the band")
+        require(self.loss_agg in LOSS_AGGS, "loss_agg", self.loss_agg, f"must be one of {LOSS_AGGS}")
+
+
+@dataclass
+class TBPOConfig(AlgorithmConfig):
+    """TBPO (QaRL): sequence ratio in a narrow trust band, negatives clipped on both sides, capped sequence
+    mismatch weight."""
+
+    name: str = "tbpo"
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    eps_neg_low: float = 3e-4
+    eps_neg_high: float = 7e-4  # wider above 1 than eps_high: a negative sample may be pushed down a little further
+    dual_clip: bool = True
+    mismatch: str = "seq"
+
+
+@dataclass
+class GSPOConfig(AlgorithmConfig):
+    """GSPO: the same sequence ratio, symmetric-rule PPO clip, no mismatch weight."""
+
+    name: str = "gspo"
+    eps_low: float = 3e-4
+    eps_high: float = 4e-4
+    eps_neg_low: float = 3e-4  # used only with dual_clip=true, which then gives TBPO's negative band
+    eps_neg_high: float = 7e-4
+
+
+@dataclass
+class GRPOConfig(AlgorithmConfig):
+    """GRPO: per-token ratio, PPO clip 0.2."""
+
+    name: str = "grpo"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 1 + eps_neg_high = 3
+    eps_neg_high: float = 2.0
+
+
+@dataclass
+class DAPOConfig(AlgorithmConfig):
+    """DAPO: per-token ratio, asymmetric clip 0.2 / 0.28 ("clip-higher"), token-mean loss."""
+
+    name: str = "dapo"
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 3
+    eps_neg_high: float = 2.0
+    loss_agg: str = "token-mean"
+
+
+SCHEMAS: dict[str, type[AlgorithmConfig]] = {
+    "tbpo": TBPOConfig,
+    "gspo": GSPOConfig,
+    "grpo": GRPOConfig,
+    "dapo": DAPOConfig,
+}

@@ -1,0 +1,63 @@
+"""Rollout mismatch: how far the engine's logprobs (mu, `rollout_logprobs`) are from the aligned trainer's at
+theta_old (pi_old, `old_logprobs`) on the same sampled tokens. Also the masked reductions the objectives share.
+
+All functions take right-padded [B, T] tensors and a mask that is True (or 1) on response tokens; values at padded
+positions are ignored, whatever they hold. Definitions: DESIGN.md "Metrics that every step logs", docs/objectives.md.
+"""
+
+import math
+
+import torch
+from torch import Tensor
+
+# Log ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in every float dtype, while logprob
+# differences can reach 1e4 (a token the other side gives probability ~0). Documented in docs/objectives.md.
+LOG_RATIO_CLAMP = 20.0
+
+
+def row_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """[B]: the mean of x over each row's response tokens; 0 for a row without any."""
+    m = mask.bool()
+    return torch.where(m, x, 0.0).sum(-1) / m.sum(-1).clamp(min=1)
+
+
+def sequence_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Scalar: the mean of per-sequence values [B] over the sequences with at least one response token; 0 if none."""
+    present = mask.bool().any(-1)
+    return torch.where(present, values, 0.0).sum() / present.sum().clamp(min=1)
+
+
+def sequence_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
+    """[B]: log of the per-sequence geometric-mean ratio, mean_t(num - den) over response tokens, clamped."""
+    return row_mean(num - den, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+@torch.no_grad()
+def mismatch_metrics(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float = 2.0
+) -> dict[str, float]:
+    """The `mismatch/*` metrics of one batch, over its response tokens (r = exp(old - rollout) per token):
+    k3_kl = mean(r - 1 - log r); abs_logp_diff_{mean,p99,max} of |old - rollout| (p99: nearest rank);
+    seq_weight_mean = mean over sequences of min(exp(mean_t(old - rollout)), cap); seq_weight_clipped_frac = the
+    fraction of sequences whose weight exceeds cap. All zeros for a batch without response tokens."""
+    m = mask.bool()
+    # fp64: well-aligned kernels give differences of 1e-5 and less, whose k3 (~d^2 / 2) fp32 rounding would swamp.
+    old, rollout = (torch.where(m, x.double(), 0.0) for x in (old_logprobs, rollout_logprobs))
+    tokens = (old - rollout)[m]
+    n = tokens.numel()
+    if n == 0:
+        keys = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_p99", "abs_logp_diff_max", "seq_weight_mean",
+                "seq_weight_clipped_frac")
+        return {f"mismatch/{k}": 0.0 for k in keys}
+    # r - 1 - log r = expm1(d) - d, which keeps its precision for tiny d where r - 1 - log r cancels.
+    d = tokens.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    abs_diff = tokens.abs()
+    weight = sequence_log_ratio(old, rollout, m).exp()
+    return {
+        "mismatch/k3_kl": (torch.expm1(d) - d).mean().item(),
+        "mismatch/abs_logp_diff_mean": abs_diff.mean().item(),
+        "mismatch/abs_logp_diff_p99": abs_diff.kthvalue(math.ceil(0.99 * n)).values.item(),
+        "mismatch/abs_logp_diff_max": abs_diff.max().item(),
+        "mismatch/seq_weight_mean": sequence_mean(weight.clamp(max=cap), m).item(),
+        "mismatch/seq_weight_clipped_frac": sequence_mean((weight > cap).double(), m).item(),
+    }

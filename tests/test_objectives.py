@@ -1,0 +1,314 @@
+"""Objectives against numbers worked out by hand, plus the edge cases of issue 6.
+
+Hand calculations use float64 inputs; "s" is a sequence ratio exp(mean_t(logprobs - old)), "r" a token ratio. With
+seq-mean-token-mean over n sequences, d loss / d logprobs_t = -(1/n) * w * A * s / L on each of the L response tokens
+of an unclipped sequence (GSPO token form), and -(1/n) * w * A * r / L for an unclipped token.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from qarl_cli.advantages import group_advantages
+from qarl_cli.config.algorithm import LOSS_AGGS, MISMATCH_MODES, NAMES, SCHEMAS, GRPOConfig, GSPOConfig, TBPOConfig
+from qarl_cli.config.errors import ConfigError
+from qarl_cli.objectives import AGGREGATIONS, MISMATCH_LOG_RATIOS, OBJECTIVES, PolicyBatch, get_objective
+
+LN = math.log
+F64 = torch.float64
+
+
+def run(cfg, logprobs, old, rollout, adv, mask):
+    """Loss, d loss / d logprobs, metrics of the objective cfg.name."""
+    lp = torch.tensor(logprobs, dtype=F64, requires_grad=True) if not torch.is_tensor(logprobs) else logprobs
+    batch = PolicyBatch(lp, torch.as_tensor(old, dtype=lp.dtype), torch.as_tensor(rollout, dtype=lp.dtype),
+                        torch.as_tensor(adv, dtype=lp.dtype), torch.as_tensor(mask, dtype=torch.bool))
+    loss, metrics = get_objective(cfg.name)(batch, cfg)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics
+
+
+def close(actual, expected, tol=1e-9):
+    # (not torch.testing.assert_close: its first call costs a second of imports)
+    actual, expected = torch.as_tensor(actual, dtype=F64), torch.as_tensor(expected, dtype=F64)
+    assert actual.shape == expected.shape and torch.allclose(actual, expected, rtol=tol, atol=tol), (actual, expected)
+
+
+# ---- sequence ratio: tbpo, gspo ---------------------------------------------------------------------------------
+# Four sequences, lengths 2, 3, 3, 2. Per-token logprobs - old vary, the means are what counts:
+#   seq0 A=+0.5  mean 0.0002  s0 = e^0.0002  = 1.00020002000133   inside [0.9997, 1.0004]
+#   seq1 A=+1.0  mean 0.001   s1 = e^0.001   = 1.00100050016671   above 1.0004: clipped
+#   seq2 A=-1.5  mean 0.0005  s2 = e^0.0005  = 1.00050012502084   inside TBPO's negative band [0.9997, 1.0007]
+#   seq3 A=-1.0  mean -0.0005 s3 = e^-0.0005 = 0.99950012497917   below 0.9997: clipped
+# (token-wise, seq2's first token has r = e^0.0015, outside every band: only the mean may matter)
+# Mismatch old - rollout per sequence mean: ln 1, ln 1.5, ln 3, ln 0.25 -> w = 1, 1.5, min(3, 2) = 2, 0.25.
+SEQ_MASK = [[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]]
+SEQ_OLD = [[-1.0, -2.0, 0.0], [-0.5, -1.0, -3.0], [-2.0, -1.0, -1.0], [-1.0, -0.5, 0.0]]
+SEQ_DELTA = [[0.0001, 0.0003, 0.0], [0.0, 0.001, 0.002], [0.0015, 0.0, 0.0], [-0.001, 0.0, 0.0]]
+SEQ_MISMATCH = [[0.0, 0.0, 0.0], [LN(1.5) + 0.2, LN(1.5) - 0.2, LN(1.5)], [LN(3)] * 3, [LN(0.25)] * 2 + [0.0]]
+SEQ_ADV = [0.5, 1.0, -1.5, -1.0]
+
+
+def seq_case(cfg):
+    lp = [[o + d for o, d in zip(*rows)] for rows in zip(SEQ_OLD, SEQ_DELTA)]
+    rollout = [[o - x for o, x in zip(*rows)] for rows in zip(SEQ_OLD, SEQ_MISMATCH)]
+    return run(cfg, lp, SEQ_OLD, rollout, SEQ_ADV, SEQ_MASK)
+
+
+def test_tbpo_by_hand():
+    loss, grad, metrics = seq_case(TBPOConfig())
+    # g = [0.5 s0, 1.0 * 1.0004, -1.5 s2, -1.0 * 0.9997];  loss = -(1/4) sum_i w_i g_i
+    #   = -(0.5 * 1.00020002000133 + 1.5 * 1.0004 - 2 * 1.5 * 1.00050012502084 - 0.25 * 0.9997) / 4
+    close(loss, 0.31268134126546016)
+    # seq0: -(1/4) * 1 * 0.5 * s0 / 2 = -s0 / 16;  seq2: -(1/4) * 2 * (-1.5) * s2 / 3 = s2 / 4;  seq1, seq3 clipped
+    g0, g2 = -1.00020002000133 / 16, 1.00050012502084 / 4
+    close(grad, [[g0, g0, 0], [0, 0, 0], [g2, g2, g2], [0, 0, 0]])
+    close(metrics["objective/clip_frac_pos"], 3 / 5)  # seq1's 3 of 5 positive tokens
+    close(metrics["objective/clip_frac_neg"], 2 / 5)  # seq3's 2 of 5 negative tokens
+    close(metrics["objective/dropped_frac"], 0.0)
+    close(metrics["objective/seq_ratio_mean"], 1.0003001925420119)  # (s0 + s1 + s2 + s3) / 4
+    close(metrics["objective/mismatch_weight_mean"], 1.3)  # (1 * 2 + 1.5 * 3 + 2 * 3 + 0.25 * 2) / 10 tokens
+    close(metrics["objective/mismatch_weight_clipped_frac"], 0.3)  # seq2's 3 tokens have raw weight 3 > 2
+
+
+def test_tbpo_drop_outside_band_by_hand():
+    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), drop_outside_band=True))
+    # band [1/2, 2]: seq2 (3) and seq3 (0.25) get weight 0 but still count among the 4 sequences
+    # loss = -(0.5 * s0 + 1.5 * 1.0004) / 4 = -(0.500100010000667 + 1.5006) / 4
+    close(loss, -0.5001750025001667)
+    g0 = -1.00020002000133 / 16
+    close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    close(metrics["objective/dropped_frac"], 0.5)  # 5 of 10 tokens
+    close(metrics["objective/mismatch_weight_mean"], 1.3)  # kept tokens only: (1 * 2 + 1.5 * 3) / 5
+
+
+def test_gspo_by_hand():
+    loss, grad, metrics = seq_case(GSPOConfig())
+    # no weight; negatives use the PPO min: seq2 (s2 > 1.0004, A < 0) keeps its gradient, seq3 (s3 < 0.9997) is cut
+    # loss = -(0.5 s0 + 1.0004 - 1.5 s2 - 0.9997) / 4
+    close(loss, 0.24998754438264675)
+    g0, g2 = -1.00020002000133 / 16, 1.00050012502084 / 8  # seq2: -(1/4) * (-1.5) * s2 / 3
+    close(grad, [[g0, g0, 0], [0, 0, 0], [g2, g2, g2], [0, 0, 0]])
+    close(metrics["objective/clip_frac_pos"], 3 / 5)
+    close(metrics["objective/clip_frac_neg"], 2 / 5)
+    close(metrics["objective/mismatch_weight_mean"], 1.0)
+    close(metrics["objective/mismatch_weight_clipped_frac"], 0.0)
+
+
+# ---- token ratio: grpo, dapo ------------------------------------------------------------------------------------
+# Two sequences; row1 has one padded position. Token ratios r and advantages:
+#   row0 A=+0.5: r = 1.1, 1.25, 0.5        row1 A=-2: r = 0.5, 1.5
+# GRPO band [0.8, 1.2]: row0 terms 0.55 (grad 0.55), 1.2 * 0.5 = 0.6 (cut), min(0.25, 0.4) = 0.25 (grad 0.25);
+# row1 terms min(-1, -1.6) = -1.6 (cut), min(-3, -2.4) = -3 (grad A r = -3).
+TOK_MASK = [[1, 1, 1], [1, 1, 0]]
+TOK_OLD = [[-1.0, -2.0, -0.5], [-1.0, -1.5, 0.0]]
+TOK_RATIO = [[1.1, 1.25, 0.5], [0.5, 1.5, 1.0]]
+TOK_ADV = [0.5, -2.0]
+
+
+def tok_case(cfg, mismatch=((0.0, 0.0, 0.0), (0.0, 0.0, 0.0))):
+    lp = [[o + LN(r) for o, r in zip(*rows)] for rows in zip(TOK_OLD, TOK_RATIO)]
+    rollout = [[o - x for o, x in zip(*rows)] for rows in zip(TOK_OLD, mismatch)]
+    return run(cfg, lp, TOK_OLD, rollout, TOK_ADV, TOK_MASK)
+
+
+@pytest.mark.parametrize("agg, expected_loss, expected_grad", [
+    # -(1/2) * ((0.55 + 0.6 + 0.25) / 3 + (-1.6 - 3) / 2) = -(1/2) * (7/15 - 23/10) = 11/12
+    # grads -(1/2) * (1/L) * A r: row0 -0.55/6, 0, -0.25/6; row1 0, -(1/4) * (-3) = 0.75
+    ("seq-mean-token-mean", 11 / 12, [[-0.55 / 6, 0, -0.25 / 6], [0, 0.75, 0]]),
+    # -(0.55 + 0.6 + 0.25 - 1.6 - 3) / 5 = 3.2 / 5;  grads -(1/5) * A r
+    ("token-mean", 0.64, [[-0.11, 0, -0.05], [0, 0.6, 0]]),
+    # -(1/2) * ((0.55 + 0.6 + 0.25) + (-1.6 - 3)) = 1.6;  grads -(1/2) * A r
+    ("seq-mean-token-sum", 1.6, [[-0.275, 0, -0.125], [0, 1.5, 0]]),
+])
+def test_grpo_by_hand(agg, expected_loss, expected_grad):
+    loss, grad, metrics = tok_case(dataclasses.replace(GRPOConfig(), loss_agg=agg))
+    close(loss, expected_loss)
+    close(grad, expected_grad)
+    close(metrics["objective/clip_frac_pos"], 1 / 3)  # r = 1.25 > 1.2
+    close(metrics["objective/clip_frac_neg"], 1 / 2)  # r = 0.5 < 0.8
+    # geometric means: (1.1 * 1.25 * 0.5)^(1/3) = 0.8641, sqrt(0.5 * 1.5) = 0.8660; their mean
+    close(metrics["objective/seq_ratio_mean"], 0.8743062438079772)
+
+
+def test_dapo_by_hand():
+    loss, grad, metrics = tok_case(SCHEMAS["dapo"]())
+    # band [0.8, 1.28]: r = 1.25 is now inside (term 0.625, grad 0.625); token-mean over 5 tokens
+    # loss = -(0.55 + 0.625 + 0.25 - 1.6 - 3) / 5 = 3.175 / 5
+    close(loss, 0.635)
+    close(grad, [[-0.11, -0.125, -0.05], [0, 0.6, 0]])
+    close(metrics["objective/clip_frac_pos"], 0.0)
+    close(metrics["objective/clip_frac_neg"], 1 / 2)
+
+
+# Token mismatch old - rollout: row0 ln 3, 0, ln 0.8 -> w = 2 (capped), 1, 0.8; row1 ln 1.5, ln 4 -> w = 1.5, 2 (capped)
+TOK_MISMATCH = ((LN(3), 0.0, LN(0.8)), (LN(1.5), LN(4), 0.0))
+
+
+def test_grpo_tis_by_hand():
+    loss, grad, metrics = tok_case(dataclasses.replace(GRPOConfig(), mismatch="tis"), TOK_MISMATCH)
+    # -(1/2) * ((2 * 0.55 + 0.6 + 0.8 * 0.25) / 3 + (1.5 * -1.6 + 2 * -3) / 2) = -(1/2) * (19/30 - 4.2) = 107/60
+    close(loss, 107 / 60)
+    # row0: -(1/6) * 2 * 0.55, 0, -(1/6) * 0.8 * 0.25;  row1: 0, -(1/4) * 2 * (-3)
+    close(grad, [[-1.1 / 6, 0, -0.2 / 6], [0, 1.5, 0]])
+    close(metrics["objective/mismatch_weight_mean"], 1.46)  # (2 + 1 + 0.8 + 1.5 + 2) / 5
+    close(metrics["objective/mismatch_weight_clipped_frac"], 0.4)  # raw 3 and 4
+
+
+def test_grpo_tis_drop_outside_band_by_hand():
+    cfg = dataclasses.replace(GRPOConfig(), mismatch="tis", drop_outside_band=True)
+    loss, grad, metrics = tok_case(cfg, TOK_MISMATCH)
+    # raw 3 and 4 lie outside [0.5, 2]: weight 0. -(1/2) * ((0.6 + 0.8 * 0.25) / 3 + (1.5 * -1.6) / 2) = 7/15
+    close(loss, 7 / 15)
+    close(grad, [[0, 0, -0.2 / 6], [0, 0, 0]])
+    close(metrics["objective/dropped_frac"], 0.4)
+    close(metrics["objective/mismatch_weight_mean"], 1.1)  # (1 + 0.8 + 1.5) / 3 kept tokens
+
+
+# ---- far outside the band ---------------------------------------------------------------------------------------
+
+def test_far_outside_band_negatives_get_no_gradient_under_tbpo():
+    # seq0 A=+1 and seq1 A=-1 at s = e^0.05 = 1.0513 (above both bands), seq2 A=-1 at s = e^-0.05 (below).
+    # TBPO: every g is its clipped value: -(1.0004 - 1.0007 - 0.9997) / 3 = 1/3, and no gradient anywhere.
+    old = [[-1.0, -1.0]] * 3
+    lp = [[-1.0 + 0.05] * 2, [-1.0 + 0.05] * 2, [-1.0 - 0.05] * 2]
+    loss, grad, _ = run(TBPOConfig(), lp, old, old, [1.0, -1.0, -1.0], [[1, 1]] * 3)
+    close(loss, 1 / 3)
+    close(grad, torch.zeros(3, 2))
+    # GSPO's PPO rule follows a negative sample above its band: seq1 gets -(1/3) * (-1) * e^0.05 / 2 = 0.1752
+    _, grad, _ = run(GSPOConfig(), lp, old, old, [1.0, -1.0, -1.0], [[1, 1]] * 3)
+    close(grad, [[0, 0], [0.175211849396004] * 2, [0, 0]])
+
+
+def test_dual_clip_stops_token_ratio_far_above_band():
+    # GRPO, A = -1, r = e^2 = 7.389: PPO follows it (grad -(1/1) * (-1) * e^2 / 2 per token with seq-mean-token-mean);
+    # with dual_clip the band is [0.8, 1 + 2.0 = 3] (classic dual-clip PPO, c = 3): no gradient.
+    lp, old = [[2.0, 2.0]], [[0.0, 0.0]]
+    _, grad, _ = run(GRPOConfig(), lp, old, old, [-1.0], [[1, 1]])
+    close(grad, [[7.38905609893065 / 2] * 2])
+    _, grad, metrics = run(dataclasses.replace(GRPOConfig(), dual_clip=True), lp, old, old, [-1.0], [[1, 1]])
+    close(grad, [[0.0, 0.0]])
+    close(metrics["objective/clip_frac_neg"], 1.0)
+
+
+# ---- edge cases over every objective ----------------------------------------------------------------------------
+
+CONFIGS = [cls() for cls in SCHEMAS.values()] + [
+    dataclasses.replace(GRPOConfig(), mismatch="tis", drop_outside_band=True),
+    dataclasses.replace(GSPOConfig(), mismatch="tis"),
+    dataclasses.replace(SCHEMAS["dapo"](), mismatch="seq", dual_clip=True),
+]
+IDS = [f"{c.name}-{c.mismatch}" for c in CONFIGS]
+
+
+def random_case(seed, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(4, 5, generator=g, dtype=dtype) * 3
+    return dict(logprobs=old + torch.randn(4, 5, generator=g, dtype=dtype) * 1e-3, old=old,
+                rollout=old + torch.randn(4, 5, generator=g, dtype=dtype) * 0.3,
+                adv=torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=dtype),
+                mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0]]))
+
+
+def run_case(cfg, c):
+    lp = c["logprobs"].clone().requires_grad_(True)
+    return run(cfg, lp, c["old"], c["rollout"], c["adv"], c["mask"])
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_equal_rewards_give_zero_loss_and_gradient(cfg):
+    c = random_case(0)
+    c["adv"] = group_advantages(torch.tensor([1.0, 1.0, 0.0, 0.0]), group_size=2).to(F64)  # two flat groups
+    loss, grad, metrics = run_case(cfg, c)
+    assert loss.item() == 0.0 and torch.all(grad == 0)
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_padding_garbage_changes_nothing(cfg):
+    clean, dirty = random_case(1), random_case(1)
+    pad = ~dirty["mask"].bool()
+    for key, junk in (("logprobs", float("nan")), ("old", 1e4), ("rollout", -float("inf"))):
+        dirty[key] = dirty[key].masked_fill(pad, junk)
+    loss, grad, metrics = run_case(cfg, clean)
+    dirty_loss, dirty_grad, dirty_metrics = run_case(cfg, dirty)
+    close(dirty_loss, loss, tol=0)
+    close(dirty_grad, grad, tol=0)
+    assert dirty_metrics == metrics
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_empty_response_row_changes_nothing(cfg):
+    c = random_case(2)
+    loss, grad, metrics = run_case(cfg, c)
+    # the same batch plus a fifth, all-padding row holding garbage
+    bigger = {k: torch.cat([v, v[:1] * 7]) for k, v in c.items()}
+    bigger["mask"][4] = 0
+    bigger_loss, bigger_grad, bigger_metrics = run_case(cfg, bigger)
+    close(bigger_loss, loss, tol=1e-12)
+    close(bigger_grad, torch.cat([grad, torch.zeros(1, 5, dtype=F64)]), tol=1e-12)
+    assert bigger_metrics == pytest.approx(metrics, rel=1e-12)
+    # and a batch of nothing but empty rows: a zero loss, no NaN
+    c["mask"] = torch.zeros_like(c["mask"])
+    loss, grad, metrics = run_case(cfg, c)
+    assert loss.item() == 0.0 and torch.all(grad == 0)
+    assert all(v == 0.0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=IDS)
+def test_extreme_logprobs_stay_finite(cfg):
+    c = random_case(3, dtype=torch.float32)
+    c["logprobs"][:, 0] = -1e4  # the policy gives a sampled token almost no probability
+    c["old"][:, 1] = -1e4  # the aligned trainer does
+    c["rollout"][:, 2] = -1e4  # the engine does
+    loss, grad, metrics = run_case(cfg, c)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert all(math.isfinite(v) for v in metrics.values())
+
+
+# ---- selection and configuration --------------------------------------------------------------------------------
+
+def test_get_objective_rejects_unknown_name():
+    with pytest.raises(ConfigError, match=r"algorithm.name='ppo'.*'tbpo', 'gspo', 'grpo', 'dapo'"):
+        get_objective("ppo")
+
+
+def test_tables_match_config_choices():
+    assert tuple(OBJECTIVES) == NAMES == tuple(SCHEMAS)
+    assert tuple(AGGREGATIONS) == LOSS_AGGS
+    assert tuple(MISMATCH_LOG_RATIOS) == MISMATCH_MODES
+    assert all(SCHEMAS[name]().name == name for name in NAMES)
+
+
+def test_defaults_are_design_constants():
+    tbpo = SCHEMAS["tbpo"]()
+    assert (tbpo.eps_low, tbpo.eps_high, tbpo.eps_neg_low, tbpo.eps_neg_high) == (3e-4, 4e-4, 3e-4, 7e-4)
+    assert (tbpo.dual_clip, tbpo.mismatch, tbpo.mismatch_cap) == (True, "seq", 2.0)
+    assert tbpo.loss_agg == "seq-mean-token-mean"  # -sum_i w_i g_i / number of sequences
+    gspo = SCHEMAS["gspo"]()
+    assert (gspo.eps_low, gspo.eps_high, gspo.dual_clip, gspo.mismatch) == (3e-4, 4e-4, False, "none")
+    grpo = SCHEMAS["grpo"]()
+    assert (grpo.eps_low, grpo.eps_high, grpo.dual_clip, grpo.mismatch) == (0.2, 0.2, False, "none")
+    dapo = SCHEMAS["dapo"]()
+    assert (dapo.eps_low, dapo.eps_high, dapo.mismatch, dapo.loss_agg) == (0.2, 0.28, "none", "token-mean")
+    for cfg in (tbpo, gspo, grpo, dapo):
+        assert (cfg.drop_outside_band, cfg.adv_std_normalize, cfg.drop_no_signal_groups) == (False, True, True)
+
+
+@pytest.mark.parametrize("schema, field, value, message", [
+    (TBPOConfig, "eps_low", -1e-4, "eps_low=-0.0001: must be in [0, 1)"),
+    (TBPOConfig, "eps_neg_low", 1.0, "eps_neg_low=1.0: must be in [0, 1)"),
+    (TBPOConfig, "eps_high", -0.1, "eps_high=-0.1: must be >= 0"),
+    (GRPOConfig, "eps_neg_high", float("nan"), "eps_neg_high=nan: must be >= 0"),
+    (TBPOConfig, "mismatch_cap", 0.5, "mismatch_cap=0.5: must be >= 1"),
+    (TBPOConfig, "mismatch", "is", "mismatch='is': must be one of ('none', 'tis', 'seq')"),
+    (GRPOConfig, "loss_agg", "mean", "loss_agg='mean': must be one of ('token-mean', 'seq-mean-token-mean', "),
+    (GSPOConfig, "drop_outside_band", True, "drop_outside_band=True: needs mismatch 'tis' or 'seq'"),
+    (GRPOConfig, "name", "ppo", "name='ppo': must be one of ('tbpo', 'gspo', 'grpo', 'dapo')"),
+])
+def test_config_rejects_bad_values(schema, field, value, message):
+    with pytest.raises(ConfigError) as err:
+        schema(**{field: value})
+    assert str(err.value).startswith(message)
