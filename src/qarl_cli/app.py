@@ -1,0 +1,111 @@
+"""Runs one qarl command through Hydra: checks the overrides first (one-line errors, exit code 2), then lets
+`hydra.main` compose the config, create the run directory and launch the job(s), multirun included."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from qarl_cli.config.errors import ConfigError
+from qarl_cli.config.registry import GROUPS, conf_dir, one_line, options, register, run_id, validate
+from qarl_cli.stages import StageUnavailable
+
+EXIT_USAGE = 2
+
+
+def run_command(command: str, args: list[str]) -> int:
+    register()
+    run_id.cache_clear()  # a new run directory for every command, even two in one process
+    from hydra._internal.utils import get_args_parser
+
+    parsed = get_args_parser().parse_args(args)
+    if not (parsed.help or parsed.hydra_help or parsed.info or parsed.shell_completion):
+        try:
+            precheck(command, parsed.overrides, allow_missing=parsed.cfg is not None)
+        except ConfigError as e:
+            print(f"qarl {command}: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+    return _run_hydra(command, args)
+
+
+def precheck(command: str, overrides: list[str], allow_missing: bool = False) -> None:
+    """Compose and validate before Hydra runs anything, so a typo fails in one line, before any model loads.
+    Each value of a sweep is checked (the others held at their first value)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as e:
+        raise ConfigError(one_line(e)) from None
+    choices = []  # per override: the plain overrides it stands for
+    for ov in parsed:
+        prefix = {"ADD": "+", "FORCE_ADD": "++", "DEL": "~"}.get(ov.type.name, "")
+        key = ov.get_key_element()
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [None]
+        if ov.key_or_group in GROUPS or ov.key_or_group == "experiment":
+            for v in values:
+                _check_option(ov.key_or_group, v if v is not None else ov.value())
+        choices.append([ov.input_line] if values == [None] else [f"{prefix}{key}={v}" for v in values])
+    variants = [[c[0] for c in choices]]
+    for i, c in enumerate(choices):
+        variants += [[*variants[0][:i], v, *variants[0][i + 1:]] for v in c[1:]]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=command):
+        for variant in variants:
+            try:
+                cfg = compose(config_name=command, overrides=variant)
+            except Exception as e:
+                raise ConfigError(_compose_error(e)) from None
+            validate(cfg, command, allow_missing)
+    GlobalHydra.instance().clear()
+
+
+def _check_option(group: str, value: Any) -> None:
+    allowed = options(group)
+    if value is not None and str(value) not in allowed:
+        raise ConfigError(f"{group}={value!r} is not an option of '{group}'; choose from: {', '.join(allowed)}")
+
+
+def _compose_error(err: BaseException) -> str:
+    cause = err.__cause__ or err.__context__
+    if cause is not None and "full_key" in str(cause):
+        return one_line(cause)
+    return one_line(err)
+
+
+def _run_hydra(command: str, args: list[str]) -> int:
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    codes: list[int] = []
+
+    @hydra.main(version_base=None, config_path=str(conf_dir()), config_name=command)
+    def job(cfg: Any) -> None:
+        try:
+            typed = validate(cfg, command)
+        except ConfigError as e:
+            print(f"qarl {command}: error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE) from None
+        impl = importlib.import_module(f"qarl_cli.commands.{command}")
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        try:
+            codes.append(int(impl.run(typed, run_dir) or 0))
+        except (ConfigError, StageUnavailable) as e:  # a bad path or value found at run time: one line
+            print(f"qarl {command}: error: {e}", file=sys.stderr)
+            raise SystemExit(EXIT_USAGE if isinstance(e, ConfigError) else 1) from None
+
+    argv = sys.argv
+    sys.argv = [f"qarl {command}", *args]
+    try:
+        job()
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = argv
+    return max(codes, default=0)

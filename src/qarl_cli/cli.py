@@ -1,0 +1,55 @@
+"""`qarl COMMAND [hydra overrides]`. This module imports neither torch nor Hydra: `qarl --help` stays instant."""
+
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "train": "run the RL loop: quantized rollouts, rewards, aligned forward, TBPO updates, weight sync",
+    "quantize": "write a low-bit checkpoint that vLLM loads (int8, fp8_block, w4a16)",
+    "eval": "evaluate a checkpoint on a dataset: avg@k, pass@k, response length, error tokens",
+}
+
+USAGE = """usage: qarl COMMAND [OVERRIDES ...] [--help] [--cfg job] [-m]
+
+Rollout-aligned quantization-aware RL for LLM reasoning, configured with Hydra.
+
+commands:
+{commands}
+
+examples:
+  qarl train                                    embedded default: tiny model, arithmetic, CPU
+  qarl train +experiment=qwen3_30b_a3b_fp8      the paper's setting (GPU cluster)
+  qarl train -m algorithm=tbpo,grpo seed=0,1    a multirun sweep
+  qarl quantize model.path=CKPT quant=w4a16 out=CKPT-w4a16
+  qarl eval model.path=CKPT data=math500 data.path=math500.jsonl quant=fp8_block
+
+`qarl COMMAND --help` lists the command's config groups and options; `--cfg job` prints the composed config."""
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    return USAGE.format(commands="\n".join(f"  {c.ljust(width)}  {h}" for c, h in COMMANDS.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from qarl_cli import __version__
+
+        print(f"qarl {__version__}")
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"qarl: unknown command {command!r}; choose from: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    from qarl_cli.app import run_command  # Hydra, and through the command torch, only from here on
+
+    return run_command(command, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

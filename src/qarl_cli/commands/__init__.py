@@ -1,0 +1,1 @@
+"""One module per CLI command, each with `run(cfg, run_dir) -> int`; imported only when its command runs."""

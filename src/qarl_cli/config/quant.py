@@ -1,0 +1,71 @@
+"""Schema of the `quant` group: the low-bit scheme of the rollout engine and of the aligned forward.
+The numerics of each scheme are in DESIGN.md ("Quantization schemes")."""
+
+from dataclasses import dataclass, field
+from typing import List
+
+from omegaconf import MISSING
+
+from qarl_cli.config.errors import require
+
+KERNELS = ("fake", "lowbit")
+
+
+@dataclass
+class QuantConfig:
+    name: str = MISSING  # option name
+    # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (a real
+    # low-bit GEMM: torch._int_mm for int8, torch._scaled_mm for fp8, a Triton kernel for w4a16).
+    kernel: str = "fake"
+    # Linear layers kept in bf16, as regular expressions over module names. The MoE router (mlp.gate) stays in
+    # bf16: quantizing it garbles Qwen3-30B-A3B. Embeddings and norms are never quantized (not nn.Linear).
+    ignore: List[str] = field(default_factory=lambda: ["lm_head", r".*\.mlp\.gate$"])
+
+    def __post_init__(self) -> None:
+        require(self.kernel in KERNELS, "kernel", self.kernel, f"must be one of {', '.join(KERNELS)}")
+
+
+@dataclass
+class NoQuantConfig(QuantConfig):
+    name: str = "none"  # rollouts and training in the model's dtype
+
+
+@dataclass
+class Int8Config(QuantConfig):
+    """W8A8: int8 weights per output channel (scale = amax/qmax), int8 activations per token, dynamic."""
+
+    name: str = "int8"
+    weight_qmax: int = 127  # largest |q| of a weight; see DESIGN.md on oneDNN's saturation on AVX2 CPUs
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(1 <= self.weight_qmax <= 127, "weight_qmax", self.weight_qmax, "must be in 1..127")
+
+
+@dataclass
+class Fp8BlockConfig(QuantConfig):
+    """W8A8 fp8 e4m3: 128x128 weight blocks (scale = amax/448), activations per token per group of 128."""
+
+    name: str = "fp8_block"
+    block_size: List[int] = field(default_factory=lambda: [128, 128])  # [output rows, input columns]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.block_size) == 2 and all(b > 0 for b in self.block_size), "block_size",
+                self.block_size, "must be two positive integers [rows, cols]")
+
+
+@dataclass
+class W4A16Config(QuantConfig):
+    """int4 symmetric weights in groups along the input dimension; activations stay in bf16."""
+
+    name: str = "w4a16"
+    group_size: int = 128
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.group_size > 0 and self.group_size % 8 == 0, "group_size", self.group_size,
+                "must be a positive multiple of 8 (int4 values are packed eight to an int32)")
+
+
+SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "none": NoQuantConfig}

@@ -1,0 +1,52 @@
+"""Schema of the `reward` group: how completions are scored against gold answers.
+
+Imported by `qarl --help`: keep it free of heavy imports (no torch, no math-verify)."""
+
+from dataclasses import dataclass
+
+from qarl_cli.config.errors import require
+
+
+@dataclass
+class MathVerifyRewardConfig:
+    """math-verify equivalence checking in a pool of worker processes, each sample under a deadline.
+
+    Statuses: correct, wrong, no_answer (nothing extractable), timeout, crash (the worker raised or died),
+    bad_gold (no math expression in the gold answer). Only `correct` earns `correct_reward`; every other status
+    earns `wrong_reward`, so a policy cannot gain by producing answers that hang or crash the verifier."""
+
+    name: str = "math_verify"  # option name
+    # Reward of a completion whose extracted answer is equivalent to the gold answer.
+    correct_reward: float = 1.0
+    # Reward of every other status (wrong, no_answer, timeout, crash, bad_gold).
+    wrong_reward: float = 0.0
+    # Subtracted from the reward of a completion that contains no \boxed{...}, whatever its status. Such a
+    # completion is still graded (math-verify also reads "the final answer is 42" or the last number), so with
+    # a penalty p a correct unboxed answer earns correct_reward - p. 0 disables the format check.
+    format_penalty: float = 0.0
+    # Worker processes (spawned; each imports sympy once, about 1.5 s, while the caller goes on working).
+    num_workers: int = 2
+    # Per-sample deadline in seconds. The worker interrupts itself with SIGALRM at timeout_s; the parent kills
+    # and replaces a worker that has not answered by timeout_s + kill_grace_s (C code that never returns to the
+    # interpreter does not see the signal). Either way the status is timeout.
+    timeout_s: float = 3.0
+    kill_grace_s: float = 1.0
+    # Address-space limit of each worker in MiB: a runaway expansion raises MemoryError (status crash) instead
+    # of exhausting the node's memory. 0 = unlimited.
+    worker_memory_mb: int = 2048
+    # Decimal places math-verify rounds floats to before comparing (at 6, 0.333333 equals 1/3 but 0.333 does not).
+    float_rounding: int = 6
+
+    def __post_init__(self) -> None:
+        require(self.correct_reward > self.wrong_reward, "correct_reward", self.correct_reward,
+                f"must be greater than wrong_reward={self.wrong_reward}")
+        require(self.format_penalty >= 0, "format_penalty", self.format_penalty, "must be >= 0 (0 disables it)")
+        require(self.num_workers >= 1, "num_workers", self.num_workers, "must be >= 1")
+        require(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0 seconds")
+        require(self.kill_grace_s > 0, "kill_grace_s", self.kill_grace_s, "must be > 0 seconds")
+        require(self.worker_memory_mb == 0 or self.worker_memory_mb >= 256, "worker_memory_mb",
+                self.worker_memory_mb, "must be 0 (unlimited) or >= 256")
+        require(1 <= self.float_rounding <= 15, "float_rounding", self.float_rounding, "must be in 1..15")
+
+
+SCHEMAS = {"math_verify": MathVerifyRewardConfig}

@@ -1,0 +1,97 @@
+"""Schemas of the three primary configs (`train`, `quantize`, `eval`): the settings that are not a stage.
+Group nodes are typed by their own schemas (see `qarl_cli.config.GROUPS`); here they are only slots."""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from qarl_cli.config.errors import require
+
+LR_SCHEDULES = ("cosine", "constant")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class _Common:
+    seed: int = 0
+    device: str = "auto"  # auto: cuda when available, else cpu
+    model: Any = MISSING
+
+    def __post_init__(self) -> None:
+        require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
+
+
+@dataclass
+class _Sampling:
+    max_new_tokens: int = 12  # response length limit; the arithmetic answers fit in 12 tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def _check_sampling(self) -> None:
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)")
+        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+
+
+@dataclass
+class TrainConfig(_Common, _Sampling):
+    steps: int = 300  # optimizer steps (one rollout batch each)
+    prompts_per_step: int = 64
+    samples_per_prompt: int = 8  # group size of the group-normalised advantage
+    minibatches: int = 1  # optimizer updates per rollout batch and epoch
+    epochs_per_step: int = 1  # passes over each rollout batch
+    lr: float = 3e-4
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_every: int = 50  # evaluate on the test split every N steps (and at the start and the end); 0 = never
+    eval_samples: int = 4  # k of avg@k at the rollout temperature (greedy accuracy is measured as well)
+    checkpoint_every: int = 100  # 0 = only at the end
+    resume: Optional[str] = None  # null, "true" (latest checkpoint of this output dir) or a checkpoint path
+    dry_run: bool = False  # build every stage, run one tiny step, write nothing heavy
+    data: Any = MISSING
+    quant: Any = MISSING
+    rollout: Any = MISSING
+    reward: Any = MISSING
+    forward: Any = MISSING
+    algorithm: Any = MISSING
+    sync: Any = MISSING
+    logger: Any = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_sampling()
+        for key in ("steps", "prompts_per_step", "samples_per_prompt", "minibatches", "epochs_per_step"):
+            require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        require(self.lr > 0, "lr", self.lr, "must be > 0")
+        require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
+                f"must be one of {', '.join(LR_SCHEDULES)}")
+        require(self.prompts_per_step * self.samples_per_prompt >= self.minibatches, "minibatches",
+                self.minibatches, "cannot exceed prompts_per_step * samples_per_prompt")
+
+
+@dataclass
+class QuantizeConfig(_Common):
+    quant: Any = MISSING
+    out: str = MISSING  # output checkpoint directory
+    overwrite: bool = False  # replace an existing output directory
+
+
+@dataclass
+class EvalConfig(_Common, _Sampling):
+    samples: int = 4  # k: samples per problem for avg@k and pass@k
+    limit: Optional[int] = None  # evaluate only the first N test problems
+    data: Any = MISSING
+    quant: Any = MISSING
+    rollout: Any = MISSING
+    reward: Any = MISSING
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_sampling()
+        require(self.samples >= 1, "samples", self.samples, "must be >= 1")
+
+
+ROOTS = {"train": TrainConfig, "quantize": QuantizeConfig, "eval": EvalConfig}

@@ -1,0 +1,75 @@
+"""The embedded default's data: seeded, procedurally generated arithmetic with exact integer answers.
+
+Three levels: 1) two-digit + and -; 2) three-digit +, - and * by a digit; 3) two-step expressions.
+Which split a problem belongs to is a property of the problem itself (a hash of its text: one in ten is a test
+problem), so train and test never overlap whatever the seeds, sizes or levels, and the tiny model's warm start
+never sees a test problem. The test split is fixed; the seed orders the training stream, which is indexed by
+position so that resuming is exact."""
+
+from __future__ import annotations
+
+import random
+import zlib
+from typing import Iterator, Sequence
+
+from qarl_cli.data.base import Problem
+
+
+def _level1(rng: random.Random) -> str:
+    return f"{rng.randint(10, 99)}{rng.choice('+-')}{rng.randint(10, 99)}"
+
+
+def _level2(rng: random.Random) -> str:
+    op = rng.choice("+-*")
+    b = rng.randint(2, 9) if op == "*" else rng.randint(100, 999)
+    return f"{rng.randint(100, 999)}{op}{b}"
+
+
+def _level3(rng: random.Random) -> str:
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(2, 9)
+    return rng.choice([f"{a}+{b}*{c}", f"{a}-{b}*{c}", f"({a}+{b})*{c}", f"({a}-{b})*{c}", f"{a}*{c}-{b}"])
+
+
+LEVELS = {1: _level1, 2: _level2, 3: _level3}
+
+
+def evaluate(expr: str) -> int:
+    """The exact value of a generated expression (digits, + - *, parentheses only)."""
+    if not set(expr) <= set("0123456789+-*() "):
+        raise ValueError(f"not an arithmetic expression: {expr!r}")
+    return int(eval(expr, {"__builtins__": {}}))  # noqa: S307 - charset checked above
+
+
+def make(expr: str, level: int) -> Problem:
+    return Problem(prompt=expr, answer=str(evaluate(expr)), source="arith", level=level)
+
+
+def is_test(expr: str) -> bool:
+    return zlib.crc32(expr.encode()) % 10 == 0
+
+
+def test_split(size: int, levels: Sequence[int]) -> list[Problem]:
+    """`size` distinct test problems, levels in equal shares (round robin); the same on every machine."""
+    rng = random.Random("arith-test")
+    seen: set[str] = set()
+    out: list[Problem] = []
+    while len(out) < size:
+        level = levels[len(out) % len(levels)]
+        expr = LEVELS[level](rng)
+        if is_test(expr) and expr not in seen:
+            seen.add(expr)
+            out.append(make(expr, level))
+    return out
+
+
+def train_stream(seed: int, levels: Sequence[int], start: int = 0) -> Iterator[Problem]:
+    """An endless stream of training problems (never a test problem); problem i depends only on (seed, i)."""
+    i = start
+    while True:
+        rng = random.Random(f"arith-train-{seed}-{i}")
+        level = levels[rng.randrange(len(levels))]
+        expr = LEVELS[level](rng)
+        while is_test(expr):
+            expr = LEVELS[level](rng)
+        yield make(expr, level)
+        i += 1

@@ -1,0 +1,95 @@
+"""Build, warm-start and cache the built-in tiny models (`model=tiny_arith`, `model=tiny_moe`).
+
+A build writes into a temporary directory and renames it into place only when complete, then marks it with
+BUILD_MARKER; a directory without the marker (a build killed mid-way, an old layout) is rebuilt. The cache key
+hashes every field that changes the weights, so editing the recipe builds a new model beside the old one."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable
+
+from qarl_cli.config.model import TinyModelConfig
+
+BUILD_MARKER = "qarl_build.json"
+
+
+def cache_path(cfg: TinyModelConfig) -> Path:
+    recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "cache_dir", "trust_remote_code")}
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / BUILD_MARKER).is_file() and (path / "config.json").is_file()
+
+
+def ensure_tiny_model(cfg: TinyModelConfig, log: Callable[[str], None] = print) -> Path:
+    """The checkpoint directory of a tiny model, built on first use and reused afterwards."""
+    path = cache_path(cfg)
+    if is_complete(path):
+        return path
+    if path.exists():
+        log(f"[qarl] {path} is incomplete (an interrupted build?); rebuilding it")
+        shutil.rmtree(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    start = time.time()
+    info = build_tiny_model(cfg, tmp, log)
+    info["build_seconds"] = round(time.time() - start, 1)
+    (tmp / BUILD_MARKER).write_text(json.dumps(info, indent=2))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process finished the same build first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not is_complete(path):
+            raise
+    log(f"[qarl] built {cfg.name} in {info['build_seconds']} s -> {path}")
+    return path
+
+
+def hf_config(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int):
+    common = dict(vocab_size=vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                  max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=False,
+                  eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None, rope_theta=10000.0,
+                  torch_dtype=cfg.dtype)
+    if cfg.num_experts:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
+                              num_experts_per_tok=cfg.num_experts_per_tok, norm_topk_prob=True,
+                              moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**common, intermediate_size=cfg.intermediate_size)
+
+
+def build_tiny_model(cfg: TinyModelConfig, out: Path, log: Callable[[str], None]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from qarl_cli.models.tokenizer import build_tokenizer
+    from qarl_cli.models.warm_start import warm_start
+
+    out.mkdir(parents=True)
+    tok = build_tokenizer(out)
+    torch.manual_seed(cfg.build_seed)
+    config = hf_config(cfg, len(tok), tok.eos_token_id, tok.pad_token_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"[qarl] building {cfg.name}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters")
+    info = {"name": cfg.name, "parameters": n_params, "recipe": dataclasses.asdict(cfg)}
+    if cfg.warm_start_steps:
+        info["warm_start"] = warm_start(model, tok, cfg, log)
+    model.to(getattr(torch, cfg.dtype)).save_pretrained(str(out))
+    GenerationConfig(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, do_sample=True,
+                     temperature=1.0, top_p=1.0).save_pretrained(str(out))
+    return info

@@ -1,0 +1,35 @@
+"""Where each stage option is implemented: a name table per config group, imported lazily, so that choosing an
+option costs nothing until the stage is built (and `qarl --help` imports neither torch nor vLLM).
+
+A group option without an entry here composes and validates, but has no implementation yet: `build` says so."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    "reward": {"math_verify": "qarl_cli.reward.math_verify:MathVerifyReward"},
+    "algorithm": {name: f"qarl_cli.objectives:OBJECTIVES.{name}" for name in ("tbpo", "gspo", "grpo", "dapo")},
+}
+
+
+class StageUnavailable(RuntimeError):
+    """A configured stage option that this version of qarl does not implement."""
+
+
+def is_implemented(group: str, name: str) -> bool:
+    return name in IMPLEMENTATIONS.get(group, {})
+
+
+def resolve(group: str, name: str) -> Any:
+    """The object implementing `group=name` (a class or a function), imported on first use."""
+    try:
+        target = IMPLEMENTATIONS[group][name]
+    except KeyError:
+        raise StageUnavailable(f"{group}={name} has no implementation in this version of qarl") from None
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+    return obj

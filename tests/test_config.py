@@ -1,0 +1,106 @@
+"""Every YAML under conf/ composes, and bad input fails at compose time with one line naming the key."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from qarl_cli.config.registry import command_groups, conf_dir, options
+from qarl_cli.cli import main
+from qarl_cli.config.registry import GROUPS, ROOTS, register, validate
+
+CONF = conf_dir()
+
+
+def _variants():
+    """(command, overrides) covering every YAML file under conf/, each with a command that uses its group."""
+    seen = set()
+    for command in ROOTS:
+        yield command, [], CONF / f"{command}.yaml"
+        for group in command_groups(command):
+            for option in options(group):
+                path = CONF / group / f"{option}.yaml"
+                if path not in seen:
+                    seen.add(path)
+                    yield command, [f"{group}={option}"], path
+    for option in options("experiment"):
+        yield "train", [f"+experiment={option}"], CONF / "experiment" / f"{option}.yaml"
+
+
+VARIANTS = list(_variants())
+
+
+@pytest.fixture(scope="module")
+def hydra_ctx():
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def test_every_yaml_under_conf_is_covered():
+    every = {p.resolve() for p in Path(CONF).rglob("*.yaml")}
+    covered = {path.resolve() for _, _, path in VARIANTS}
+    assert every == covered, f"YAML files no test composes: {sorted(map(str, every - covered))}"
+
+
+@pytest.mark.parametrize("command,overrides,path", VARIANTS, ids=lambda v: str(v) if isinstance(v, list) else None)
+def test_composes_and_validates(hydra_ctx, command, overrides, path):
+    cfg = compose(config_name=command, overrides=overrides)
+    # Options such as model=hf or data=gsm8k need a path from the user: give one, then validate strictly.
+    required = [f"{g}.path=/given" for g in command_groups(command) if OmegaConf.is_missing(cfg[g], "path")]
+    required += [f"{k}=/given" for k in cfg if OmegaConf.is_missing(cfg, k)]  # qarl quantize's out
+    cfg = compose(config_name=command, overrides=overrides + required)
+    typed = validate(cfg, command)
+    assert type(typed) is ROOTS[command]
+    for group in command_groups(command):
+        node = getattr(typed, group)
+        assert node is None or type(node) is GROUPS[group][cfg[group].name]
+    for override in overrides:
+        group, _, option = override.lstrip("+").partition("=")
+        if group in GROUPS:
+            assert cfg[group].name == option  # the option file includes the schema of the same name
+
+
+def test_group_options_match_their_schemas():
+    for group, schemas in GROUPS.items():
+        assert options(group) == sorted(schemas), group
+
+
+def test_defaults_live_in_the_schema(hydra_ctx):
+    """Option files only include their schema: every value of a composed option equals the schema default."""
+    for group, schemas in GROUPS.items():
+        for option, schema in schemas.items():
+            text = (CONF / group / f"{option}.yaml").read_text()
+            body = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "-"))]
+            assert body == ["defaults:"], f"{group}/{option}.yaml sets values: {body}"
+
+
+def test_experiment_sets_the_paper_setting(hydra_ctx):
+    cfg = compose(config_name="train", overrides=["+experiment=qwen3_30b_a3b_fp8"])
+    assert cfg.quant.name == "fp8_block" and cfg.quant.block_size == [128, 128]
+    assert cfg.algorithm.name == "tbpo" and cfg.model.name == "hf"
+    assert OmegaConf.is_missing(cfg.model, "path")  # the user points it at a local checkpoint
+
+
+@pytest.mark.parametrize("args,names", [
+    (["quant=nope"], ["quant", "int8", "fp8_block", "w4a16", "none"]),
+    (["-m", "quant=int8,nope"], ["quant", "nope"]),
+    (["quant=w4a16", "quant.group_size=12"], ["quant.group_size", "12"]),
+    (["algorithm.eps_low=-1"], ["algorithm.eps_low"]),
+    (["steps=abc"], ["steps", "abc"]),
+    (["nokey=1"], ["nokey"]),
+    (["model=hf", "steps=1"], ["model.path"]),  # without --cfg job: a missing required value is an error
+    (["+experiment=nope"], ["experiment", "qwen3_30b_a3b_fp8"]),
+    (["rollout=vllm", "rollout.gpu_memory_utilization=2"], ["rollout.gpu_memory_utilization"]),
+])
+def test_bad_input_fails_in_one_line(capsys, args, names):
+    cfg_job = [] if "steps=1" in args else ["--cfg", "job"]
+    assert main(["train", *args, *cfg_job]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    for name in names:
+        assert name in err, (name, err)
