@@ -49,11 +49,11 @@ def test_cfg_job_prints_the_experiment(tmp_path):
     assert not (tmp_path / "outputs").exists()  # printing a config runs nothing
 
 
-def test_unimplemented_command_says_so(tmp_path, capsys):
-    os.chdir(tmp_path)
-    assert main(["quantize", "out=x"]) == 1
+def test_unimplemented_stage_says_so(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["eval", "rollout=torch"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "quantize" in err[0] and "Traceback" not in err[0]
+    assert len(err) == 1 and "rollout=torch" in err[0] and "Traceback" not in err[0]
 
 
 TINY = ["model.warm_start_steps=0", "model.num_layers=1", "data.test_size=6", "reward.num_workers=1"]

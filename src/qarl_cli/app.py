@@ -8,11 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
-from qarl_cli.config.errors import ConfigError
+from qarl_cli.config.errors import ConfigError, UserError
 from qarl_cli.config.registry import GROUPS, conf_dir, one_line, options, register, run_id, validate
-from qarl_cli.stages import StageUnavailable
 
 EXIT_USAGE = 2
 
@@ -96,7 +93,7 @@ def _run_hydra(command: str, args: list[str]) -> int:
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         try:
             codes.append(int(impl.run(typed, run_dir) or 0))
-        except (ConfigError, StageUnavailable) as e:  # a bad path or value found at run time: one line
+        except UserError as e:  # a bad path, file or value found at run time: one line, no traceback
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE if isinstance(e, ConfigError) else 1) from None
 

@@ -1,9 +1,13 @@
-"""The one error type a bad configuration raises, and a helper for validators."""
+"""Errors in what the user gave (a config value, a file, a path): reported in one line, without a traceback."""
 
 from typing import Any
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """Base of every error that is the input's fault; the CLI prints its one-line message and exits non-zero."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value that cannot be used. The message is one line naming the key and the value."""
 
 

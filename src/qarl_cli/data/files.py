@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from qarl_cli.config.errors import UserError
 from qarl_cli.data.base import Problem
 from qarl_cli.reward.boxed import last_boxed
 
@@ -31,7 +32,7 @@ _COLUMNS = {"question", "answer", "problem", "solution", "prompt", "messages", "
     | _MATH_MARKERS
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A data file that cannot be read as problems. The message is one line: file, line or row, field."""
 
 

@@ -11,6 +11,7 @@ from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.data import arith
 from qarl_cli.models.hf_eval import greedy_accuracy, prompt_ids, user_messages
 from qarl_cli.models.tokenizer import BOXED
+from qarl_cli.optim import muon_with_adamw
 
 
 def _batch(tok, problems):
@@ -34,10 +35,10 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
 
     torch.manual_seed(cfg.build_seed)
     stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 2, 3])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start_lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opts = muon_with_adamw(model, cfg.warm_start_lr)  # AdamW alone needs ~10x the steps here
     warmup = max(1, cfg.warm_start_steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.warm_start_steps)))))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
+        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.warm_start_steps))))) for opt in opts]
     model.train()
     start, loss = time.time(), float("nan")
     with Progress(transient=True) as progress:
@@ -47,9 +48,10 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
             out = model(input_ids=ids, attention_mask=mask, labels=labels)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            for opt, sched in zip(opts, scheds):
+                opt.step()
+                sched.step()
+                opt.zero_grad(set_to_none=True)
             loss = out.loss.item()
             progress.update(task, advance=1, description=f"warm start (loss {loss:.3f})")
     seconds = time.time() - start
