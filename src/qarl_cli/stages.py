@@ -8,13 +8,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from qarl_cli.config.errors import UserError
+
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     "reward": {"math_verify": "qarl_cli.reward.math_verify:MathVerifyReward"},
     "algorithm": {name: f"qarl_cli.objectives:OBJECTIVES.{name}" for name in ("tbpo", "gspo", "grpo", "dapo")},
 }
 
 
-class StageUnavailable(RuntimeError):
+class StageUnavailable(UserError, RuntimeError):
     """A configured stage option that this version of qarl does not implement."""
 
 
