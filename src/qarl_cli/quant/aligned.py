@@ -1,0 +1,215 @@
+"""forward=aligned: the learner computes what the rollout engine computes. Every selected nn.Linear (and every
+fused MoE expert matrix) is replaced by a module holding the *same* Parameter objects (so parameter names, the
+optimizer's state and checkpoints are unchanged) whose forward uses the dequantized quantized weight Wq and, where
+the scheme quantizes activations, the quantized-and-dequantized input. Gradients are straight-through: the
+quantizers count as the identity in the backward, so d(loss)/d(W) = d(loss)/d(Wq) lands in the bf16 masters.
+forward=bf16 leaves the model as it is (the naive quantized-rollout baseline).
+
+Wq is cached per module, computed at the first forward after the masters change and reused by every forward
+until then (rollout-logprob recomputation, the minibatches of a step). The cache key is each master's
+`_version`, which every in-place write through the parameter bumps (optimizer.step, load_state_dict, copy_);
+writes through `param.data` have a version counter of their own, so `refresh_after(optimizer, model)` also drops
+the caches after every optimizer step, and `refresh(model)` drops them on demand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qarl_cli.config.stages import ForwardConfig
+from qarl_cli.quant.base import Scheme
+from qarl_cli.quant.select import select_modules
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `value` (the quantized tensor); backward: the gradient goes to `master` unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, master: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def straight_through(master: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return _StraightThrough.apply(master, value) if master.requires_grad else value
+
+
+def quant_act(scheme: Scheme, x: torch.Tensor) -> torch.Tensor:
+    """x as the engine's GEMM sees it, with a straight-through gradient."""
+    if not scheme.quantizes_activations:
+        return x
+    with torch.no_grad():
+        value = scheme.fake_quant_act(x.detach())
+    return straight_through(x, value)
+
+
+def _version_key(params: list[torch.Tensor]) -> tuple:
+    return tuple((p._version, p.data_ptr(), p.dtype) for p in params)
+
+
+class _Cached(nn.Module):
+    """A module whose quantized weights are recomputed only when its master parameters change."""
+
+    def __init__(self, scheme: Scheme) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.quantizations = 0  # how often Wq was computed (tests: once per optimizer step)
+        self._key: tuple | None = None
+        self._value: Any = None
+
+    def masters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+    def compute(self) -> Any:
+        raise NotImplementedError
+
+    def refresh(self) -> None:
+        self._key = self._value = None
+
+    def quantized(self) -> Any:
+        key = _version_key(self.masters())
+        if key != self._key:
+            self._value = None  # free the stale copy before building the new one
+            with torch.no_grad():
+                self._value = self.compute()
+            self._key = key
+            self.quantizations += 1
+        return self._value
+
+
+class _LowbitLinear(torch.autograd.Function):
+    """The engine's low-bit GEMM in the forward; the straight-through backward of the fake path."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, packed: dict,
+                scheme: Any) -> torch.Tensor:
+        ctx.save_for_backward(scheme.fake_quant_act(x), w_dq)
+        return scheme.lowbit_matmul(x, packed, w_dq)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x_dq, w_dq = ctx.saved_tensors
+        grad_x = grad @ w_dq.to(grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(w_dq.dtype)
+        return grad_x, grad_w, None, None, None
+
+
+class AlignedLinear(_Cached):
+    def __init__(self, linear: nn.Linear, scheme: Scheme, lowbit: bool) -> None:
+        super().__init__(scheme)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.lowbit = lowbit
+
+    def masters(self) -> list[nn.Parameter]:
+        return [self.weight]
+
+    def compute(self) -> tuple[dict | None, torch.Tensor]:
+        packed = self.scheme.quantize(self.weight.detach())
+        w_dq = self.scheme.dequantize(packed, self.weight.dtype)
+        return (packed if self.lowbit else None), w_dq
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed, w_dq = self.quantized()
+        if self.lowbit:
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                y = _LowbitLinear.apply(x, self.weight, w_dq, packed, self.scheme)
+            else:  # no backward: skip the dequantized input the backward would need
+                y = self.scheme.lowbit_matmul(x, packed, w_dq)
+            return y if self.bias is None else y + self.bias
+        return F.linear(quant_act(self.scheme, x), straight_through(self.weight, w_dq), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, scheme={self.scheme.name}, lowbit={self.lowbit}"
+
+
+class AlignedExperts(_Cached):
+    """Fused MoE experts (transformers 5: gate_up_proj [E, 2I, H], down_proj [E, H, I]). Each expert's gate, up
+    and down matrices are quantized on their own, as the checkpoint and vLLM hold them. The routing is the
+    model's (the router is never quantized); tokens are quantized once before the gate/up GEMMs, as vLLM's fused
+    MoE does. kernel=lowbit does not apply here (experts run the fake path)."""
+
+    def __init__(self, experts: nn.Module, scheme: Scheme) -> None:
+        super().__init__(scheme)
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.act_fn = experts.act_fn
+
+    def masters(self) -> list[nn.Parameter]:
+        return [self.gate_up_proj, self.down_proj]
+
+    def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gu = self.gate_up_proj.detach()
+        e, two_i, h = gu.shape
+        gate_up = self.scheme.fake_quant_weight(gu.reshape(e, 2, two_i // 2, h)).reshape(gu.shape)
+        return gate_up, self.scheme.fake_quant_weight(self.down_proj.detach())
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.quantized()
+        gate_up = straight_through(self.gate_up_proj, gate_up)
+        down = straight_through(self.down_proj, down)
+        x = quant_act(self.scheme, hidden_states)
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():  # experts with tokens (an expert-parallel index may point past the local ones)
+            hit = [e for e in torch.unique(top_k_index).tolist() if e < self.num_experts]
+        for e in hit:
+            token, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+            h = F.linear(quant_act(self.scheme, self.act_fn(gate) * up), down[e])
+            out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def align(model: nn.Module, scheme: Scheme) -> nn.Module:
+    """Replace the selected modules of `model` in place (idempotent); returns the model."""
+    lowbit = scheme.cfg.kernel == "lowbit"
+    for target in select_modules(model, scheme.cfg.ignore) if scheme.quantizes_weights else []:
+        if isinstance(target.module, _Cached):
+            continue
+        new = (AlignedLinear(target.module, scheme, lowbit) if target.kind == "linear"
+               else AlignedExperts(target.module, scheme))
+        parent, _, child = target.name.rpartition(".")
+        setattr(model.get_submodule(parent), child, new)
+    return model
+
+
+def refresh(model: nn.Module) -> None:
+    """Drop every cached Wq of `model`: the next forward quantizes the masters again."""
+    for m in model.modules():
+        if isinstance(m, _Cached):
+            m.refresh()
+
+
+def refresh_after(optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+    """Drop the caches after every `optimizer.step()`, whatever the optimizer writes through. Returns the hook
+    handle (`.remove()` detaches it)."""
+    return optimizer.register_step_post_hook(lambda *_: refresh(model))
+
+
+class AlignedForward:
+    """forward=aligned: `apply(model)` puts the scheme's quantized modules into the policy."""
+
+    def __init__(self, cfg: ForwardConfig, scheme: Scheme) -> None:
+        self.cfg = cfg
+        self.scheme = scheme
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return align(model, self.scheme)
+
+
+class BF16Forward(AlignedForward):
+    """forward=bf16: the model as it is, whatever the rollout's scheme."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model

@@ -1,0 +1,175 @@
+"""A model's low-bit state in the scheme's vLLM checkpoint format, and `qarl quantize`'s checkpoint writer.
+
+`quantized_state` yields (name, tensor) exactly as a vLLM checkpoint holds them (int8 + weight_scale;
+e4m3 + weight_scale_inv; weight_packed + weight_scale + weight_shape), from an in-memory model or from
+checkpoint tensors, so the rollout sync can push the same tensors into a running engine without the engine
+quantizing anything. `write_checkpoint` streams a checkpoint through it shard by shard (one input shard and its
+output in memory at a time) into a hidden temporary directory that is renamed into place only when complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from qarl_cli.config.errors import ConfigError
+from qarl_cli.quant.base import Scheme
+from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+
+State = Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
+
+
+def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan] = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in the scheme's vLLM checkpoint format: the planned weights quantized, the rest as given.
+    `state`: a model (checkpoint names, plan from its structure and scheme.cfg.ignore) or checkpoint-named
+    tensors (a mapping or pairs; then `plan` is required)."""
+    if isinstance(state, nn.Module):
+        plan = plan or plan_for(state, scheme)
+        state = checkpoint_state(state)
+    elif plan is None:
+        raise ValueError("quantized_state of checkpoint tensors needs their plan (plan_for)")
+    items = state.items() if isinstance(state, Mapping) else state
+    with torch.no_grad():
+        for name, tensor in items:
+            if name in plan.quantized:
+                yield from scheme.checkpoint_tensors(name.removesuffix(".weight"), tensor)
+            else:
+                yield name, tensor
+
+
+def plan_for(model: nn.Module, scheme: Scheme) -> CheckpointPlan:
+    """What `scheme` quantizes in `model`'s checkpoint (nothing for quant=none)."""
+    if not scheme.quantizes_weights:
+        return CheckpointPlan(frozenset(), ())
+    return checkpoint_plan(model, scheme.cfg.ignore)
+
+
+def quantization_config(scheme: Scheme, plan: CheckpointPlan) -> Optional[dict]:
+    """config.json's `quantization_config` for a checkpoint written with `plan`."""
+    return scheme.quantization_config(list(plan.kept))
+
+
+def load_meta_model(src: Path, trust_remote_code: bool = False) -> nn.Module:
+    """The checkpoint's model on the meta device (structure and names only), or ConfigError if `src` is not an
+    unquantized causal-LM checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    where = f"model.path={str(src)!r}"
+    try:
+        config = AutoConfig.from_pretrained(str(src), trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any unreadable config is the same user error
+        raise ConfigError(f"{where}: not a Hugging Face checkpoint ({str(e).splitlines()[0]})") from None
+    archs = getattr(config, "architectures", None) or []
+    if not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in archs):
+        raise ConfigError(f"{where}: not a causal-LM checkpoint (architectures={archs})")
+    if getattr(config, "quantization_config", None):
+        raise ConfigError(f"{where}: already quantized (config.json has a quantization_config)")
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ConfigError(f"{where}: not a causal-LM checkpoint ({str(e).splitlines()[0]})") from None
+
+
+def shard_files(src: Path) -> list[str]:
+    if (src / INDEX).is_file():
+        return sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+    if (src / SINGLE).is_file():
+        return [SINGLE]
+    raise ConfigError(f"model.path={str(src)!r}: no safetensors weights ({SINGLE} or {INDEX})")
+
+
+def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = False, progress: bool = True,
+                     trust_remote_code: bool = False) -> dict:
+    """Write `src` quantized with `scheme` to `out` (config, tokenizer, generation config and other files
+    copied); returns a summary. `out` appears only when complete."""
+    from rich.progress import Progress
+    from safetensors.torch import save_file
+
+    src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:
+        raise ConfigError(f"out={str(out)!r} already exists; pass overwrite=true to replace it")
+    if out.resolve() == src.resolve():
+        raise ConfigError(f"out={str(out)!r} is the input checkpoint")
+    start = time.time()
+    plan = plan_for(load_meta_model(src, trust_remote_code), scheme)
+    files = shard_files(src)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    done: set[str] = set()
+    nbytes = 0
+    try:
+        names = {f: _keys(src / f) for f in files}
+        with Progress(disable=not progress) as bar:
+            task = bar.add_task(f"quantize {scheme.name}", total=sum(map(len, names.values())))
+            for file in files:
+                shard = _read_shard(src / file, names[file], done, lambda: bar.advance(task))
+                tensors = dict(quantized_state(shard, scheme, plan))
+                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(tensors, file))
+                nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+                del tensors
+        missing = sorted(plan.quantized - done)
+        if missing:
+            raise ConfigError(f"model.path={str(src)!r}: the checkpoint lacks {len(missing)} of the weights to "
+                              f"quantize (e.g. {missing[0]}); its tensor names are not transformers' names")
+        _write_metadata(src, tmp, scheme, plan, weight_map, nbytes)
+        if out.is_dir():
+            shutil.rmtree(out)
+        elif out.exists():
+            out.unlink()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"scheme": scheme.name, "out": str(out), "quantized": len(plan.quantized), "kept": list(plan.kept),
+            "shards": len(files), "weights_bytes": nbytes, "seconds": round(time.time() - start, 1)}
+
+
+def _keys(path: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as reader:
+        return list(reader.keys())
+
+
+def _read_shard(path: Path, keys: list[str], seen: set[str], advance: Callable[[], None]
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One shard's tensors, one at a time."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as reader:
+        for key in keys:
+            seen.add(key)
+            yield key, reader.get_tensor(key)
+            advance()
+
+
+def _write_metadata(src: Path, tmp: Path, scheme: Scheme, plan: CheckpointPlan, weight_map: dict[str, str],
+                    nbytes: int) -> None:
+    config = json.loads((src / "config.json").read_text())
+    block = quantization_config(scheme, plan)
+    if block is not None:
+        config["quantization_config"] = block
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if (src / INDEX).is_file():
+        index = {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    for path in src.iterdir():  # tokenizer, chat template, generation config, ...
+        if path.is_file() and not path.name.startswith(".") and path.name not in ("config.json", INDEX) \
+                and not path.name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(path, tmp / path.name)

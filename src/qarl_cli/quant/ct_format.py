@@ -1,0 +1,22 @@
+"""The compressed-tensors `quantization_config` block (int8 W8A8 `int-quantized`, W4A16 `pack-quantized`), as
+vLLM's CompressedTensorsConfig reads it. Plain JSON: writing a checkpoint does not need compressed-tensors."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def quant_args(num_bits: int, strategy: str, dynamic: bool, group_size: Optional[int] = None) -> dict:
+    """One QuantizationArgs: symmetric integer quantization."""
+    return {"num_bits": num_bits, "type": "int", "symmetric": True, "group_size": group_size,
+            "strategy": strategy, "block_structure": None, "dynamic": dynamic, "actorder": None,
+            "observer": None if dynamic else "minmax", "observer_kwargs": {}}
+
+
+def config_block(fmt: str, weights: dict, input_activations: Optional[dict], ignore: list[str]) -> dict:
+    """All Linear layers but `ignore` (exact module names) use one scheme; the tensors are already compressed."""
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": input_activations,
+             "output_activations": None, "format": fmt}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": sorted(ignore), "kv_cache_scheme": None,
+            "global_compression_ratio": None}

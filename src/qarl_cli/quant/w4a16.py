@@ -1,0 +1,72 @@
+"""quant=w4a16: int4 symmetric weights in groups along the input dimension (scale = amax / 7, q in [-8, 7]),
+activations stay in the compute dtype; vLLM's compressed-tensors `pack-quantized` format (Marlin on GPU):
+`weight_packed` int32 [N, K/8] holding q + 8 as eight nibbles, the k-th in bits 4k..4k+3 (little end first);
+`weight_scale` [N, K/group] in the weight's dtype (vLLM reads it in the model dtype, so the reference rounds the
+scale to that dtype before quantizing with it); `weight_shape` int64 [N, K]."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qarl_cli.config.quant import W4A16Config
+from qarl_cli.quant import ct_format
+from qarl_cli.quant.base import Packed, SchemeBase
+from qarl_cli.quant.numerics import INT4_MAX, INT4_MIN, SCALE_FLOOR, div_rn, group_view, round_int, use_triton
+
+PACK = 8  # int4 values per int32
+_SHIFTS = tuple(range(0, 32, 4))
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 [..., K] in [-8, 7] -> int32 [..., K/8] (two's complement of the unsigned 32-bit word)."""
+    u = (q.to(torch.int64) - INT4_MIN).reshape(*q.shape[:-1], q.shape[-1] // PACK, PACK)
+    word = (u << torch.tensor(_SHIFTS, device=q.device)).sum(-1)
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 [..., K/8] -> int8 [..., K] in [-8, 7]."""
+    u = (packed[..., None] >> torch.tensor(_SHIFTS, dtype=torch.int32, device=packed.device)) & 0xF
+    return (u + INT4_MIN).reshape(*packed.shape[:-1], -1).to(torch.int8)
+
+
+def quantize_weight_ref(w: torch.Tensor, group: int) -> Packed:
+    g = group_view(w.float(), group)
+    floor = max(SCALE_FLOOR, torch.finfo(w.dtype).tiny)  # a scale that survives the cast to w's dtype
+    scale = div_rn(g.abs().amax(-1), float(INT4_MAX)).clamp_min(floor).to(w.dtype)
+    q = round_int(div_rn(g, scale.float()[..., None]), INT4_MIN, INT4_MAX).reshape(w.shape)
+    return {"weight_packed": pack_int4(q), "weight_scale": scale}
+
+
+class W4A16Scheme(SchemeBase):
+    name = "w4a16"
+    quantizes_activations = False
+
+    def __init__(self, cfg: W4A16Config, device: str = "auto") -> None:
+        super().__init__(cfg, device)
+        self.group = cfg.group_size
+
+    def quantize(self, w: torch.Tensor) -> Packed:
+        return quantize_weight_ref(w, self.group)
+
+    def dequantize(self, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
+        q = unpack_int4(packed["weight_packed"]).float()
+        scale = packed["weight_scale"].float().repeat_interleave(self.group, -1)
+        return (q * scale).to(dtype)
+
+    def checkpoint_tensors(self, prefix: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        shape = torch.tensor(list(w.shape), dtype=torch.int64)
+        return [*super().checkpoint_tensors(prefix, w), (f"{prefix}.weight_shape", shape)]
+
+    def lowbit_matmul(self, x: torch.Tensor, packed: Packed, w_dq: torch.Tensor) -> torch.Tensor:
+        """The fused Triton dequant-matmul on a GPU; elsewhere x @ w_dq^T, which it equals."""
+        if use_triton(x):
+            from qarl_cli.quant.triton_kernels import w4a16_matmul
+
+            return w4a16_matmul(x, packed["weight_packed"], packed["weight_scale"], self.group)
+        return F.linear(x, w_dq)
+
+    def quantization_config(self, ignore: list[str]) -> dict:
+        return ct_format.config_block(
+            "pack-quantized", ct_format.quant_args(4, "group", dynamic=False, group_size=self.group), None, ignore)
