@@ -29,8 +29,8 @@ def test_answers_are_exact():
 
 
 @pytest.mark.parametrize("level,pattern", [
-    (1, r"^\d{2}[+-]\d{2}$"),
-    (2, r"^\d{3}([+-]\d{3}|\*\d)$"),
+    (1, r"^\d{2}[+-]\d{1,2}$"),
+    (2, r"^\d{2,3}\*\d$"),
     (3, r"^(\d{2}[+-]\d{2}\*\d|\(\d{2}[+-]\d{2}\)\*\d|\d{2}\*\d-\d{2})$"),
 ])
 def test_levels_have_their_shape(level, pattern):
@@ -42,7 +42,7 @@ def test_train_and_test_are_disjoint():
     test = {p.prompt for p in arith.test_split(500, [1, 2, 3])}
     train = {p.prompt for p in itertools.islice(arith.train_stream(0, [1, 2, 3]), 20000)}
     assert len(test) == 500
-    assert len(train) > 10000  # level 1 has 16,200 expressions in all, so repeats are expected
+    assert len(train) > 10000  # level 1 has 17,640 expressions in all: repeats are expected
     assert not test & train
 
 

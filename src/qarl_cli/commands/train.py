@@ -27,7 +27,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
 
     from qarl_cli.models.hf_eval import greedy_texts
 
-    console = Console()
+    console = Console(markup=False, highlight=False)  # "[qarl]" is text, not a style tag
     torch.manual_seed(cfg.seed)
     start = time.time()
     path = model_dir(cfg.model, log=console.print)

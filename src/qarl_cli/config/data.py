@@ -43,7 +43,7 @@ class ArithDataConfig(DataConfig):
     """Procedurally generated arithmetic (the embedded default). Train and test are disjoint."""
 
     name: str = "arith"
-    levels: List[int] = field(default_factory=lambda: [1, 2, 3])  # 1: 2-digit +/-, 2: 3-digit with *, 3: two-step
+    levels: List[int] = field(default_factory=lambda: [1, 2, 3])  # 1: 2-digit +/-, 2: 2-3 digit * digit, 3: two-step
     test_size: int = 500  # the test split is fixed (see qarl_cli.data.arith); the run's seed orders training
     instruction: str = ""  # the tiny model learned the format in its warm start; no instruction needed
 

@@ -1,6 +1,8 @@
 """The embedded default's data: seeded, procedurally generated arithmetic with exact integer answers.
 
-Three levels: 1) two-digit + and -; 2) three-digit +, - and * by a digit; 3) two-step expressions.
+Three levels: 1) a two-digit number plus or minus a one- or two-digit one; 2) a two- or three-digit number times
+a digit; 3) two-step expressions. (The tiny model learns level 1 in its warm start, level 2 partly, level 3 hardly: the
+mixed-reward groups that RL learns from.)
 Which split a problem belongs to is a property of the problem itself (a hash of its text: one in ten is a test
 problem), so train and test never overlap whatever the seeds, sizes or levels, and the tiny model's warm start
 never sees a test problem. The test split is fixed; the seed orders the training stream, which is indexed by
@@ -16,13 +18,13 @@ from qarl_cli.data.base import Problem
 
 
 def _level1(rng: random.Random) -> str:
-    return f"{rng.randint(10, 99)}{rng.choice('+-')}{rng.randint(10, 99)}"
+    b = rng.randint(1, 9) if rng.random() < 0.5 else rng.randint(10, 99)
+    return f"{rng.randint(10, 99)}{rng.choice('+-')}{b}"
 
 
 def _level2(rng: random.Random) -> str:
-    op = rng.choice("+-*")
-    b = rng.randint(2, 9) if op == "*" else rng.randint(100, 999)
-    return f"{rng.randint(100, 999)}{op}{b}"
+    a = rng.randint(10, 99) if rng.random() < 0.5 else rng.randint(100, 999)
+    return f"{a}*{rng.randint(2, 9)}"
 
 
 def _level3(rng: random.Random) -> str:
@@ -53,13 +55,15 @@ def test_split(size: int, levels: Sequence[int]) -> list[Problem]:
     rng = random.Random("arith-test")
     seen: set[str] = set()
     out: list[Problem] = []
-    while len(out) < size:
+    for _ in range(1000 * size + 1000):  # a bound, so that an impossible size fails instead of looping
+        if len(out) == size:
+            return out
         level = levels[len(out) % len(levels)]
         expr = LEVELS[level](rng)
         if is_test(expr) and expr not in seen:
             seen.add(expr)
             out.append(make(expr, level))
-    return out
+    raise ValueError(f"arith: not enough distinct test problems for test_size={size} at levels {list(levels)}")
 
 
 def train_stream(seed: int, levels: Sequence[int], start: int = 0) -> Iterator[Problem]:

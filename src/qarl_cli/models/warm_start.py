@@ -34,7 +34,8 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
     from rich.progress import Progress
 
     torch.manual_seed(cfg.build_seed)
-    stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 2, 3])
+    # Level 1 twice as often: it is where the model first learns to read digits, which the others build on.
+    stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 1, 2, 3])
     opts = muon_with_adamw(model, cfg.warm_start_lr)  # AdamW alone needs ~10x the steps here
     warmup = max(1, cfg.warm_start_steps // 20)
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
