@@ -34,18 +34,10 @@ def _probe_linears(worker):
     return out
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    from vllm import LLM, SamplingParams
+def _sample(llm):
+    """Fixed random prompts, sampled continuations: (prompt, tokens, prompt logprobs, sampled-token logprobs)."""
+    from vllm import SamplingParams
 
-    from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.checkpoint import write_checkpoint
-
-    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warm_start_steps=0),
-                            log=lambda _: None)
-    ckpt = tmp_path_factory.mktemp("ckpt") / "int8"
-    write_checkpoint(src, ckpt, build_scheme(Int8Config(), "cpu"), progress=False)
-    llm = LLM(model=str(ckpt), enforce_eager=True, kv_cache_memory_bytes=1 << 30, dtype="float32", seed=0)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 100, (PROMPT_LEN,), generator=gen).tolist() for _ in range(N_PROMPTS)]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=0, logprobs=0, prompt_logprobs=0,
@@ -55,6 +47,22 @@ def engine(tmp_path_factory):
         c = o.outputs[0]
         samples.append((p, list(c.token_ids), [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])],
                         [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from vllm import LLM
+
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.quant.checkpoint import write_checkpoint
+
+    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warm_start_steps=0),
+                            log=lambda _: None)
+    ckpt = tmp_path_factory.mktemp("ckpt") / "int8"
+    write_checkpoint(src, ckpt, build_scheme(Int8Config(), "cpu"), progress=False)
+    llm = LLM(model=str(ckpt), enforce_eager=True, kv_cache_memory_bytes=1 << 30, dtype="float32", seed=0)
+    samples = _sample(llm)
     (probe,) = llm.collective_rpc(_probe_linears)
     yield {"src": src, "samples": samples, "probe": probe}
     del llm
@@ -132,7 +140,7 @@ def test_gpu_engine_serves_the_gpu_only_schemes(tmp_path, name):
     multiple of 128 rows (vLLM's block-fp8 merged layers need it), in bf16."""
     import gc
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.quant import build_scheme
@@ -144,15 +152,7 @@ def test_gpu_engine_serves_the_gpu_only_schemes(tmp_path, name):
     ckpt = tmp_path / name
     write_checkpoint(src, ckpt, build_scheme(SCHEMAS[name](), "cuda"), progress=False)
     llm = LLM(model=str(ckpt), enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", seed=0)
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 100, (PROMPT_LEN,), generator=gen).tolist() for _ in range(N_PROMPTS)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=0, logprobs=0, prompt_logprobs=0,
-                            ignore_eos=True)
-    samples = []
-    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        c = o.outputs[0]
-        samples.append((p, list(c.token_ids), [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])],
-                        [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)]))
+    samples = _sample(llm)
     del llm
     gc.collect()
     torch.cuda.empty_cache()
