@@ -3,18 +3,10 @@ starting accuracy. (Training and `qarl eval` sample through a rollout engine and
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 
 from qarl_cli.data.base import Problem
-
-_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-
-
-def boxed_answer(text: str) -> str | None:
-    """Content of the last \\boxed{...} without nested braces (all the tiny model ever writes)."""
-    found = _BOXED.findall(text)
-    return found[-1].strip() if found else None
+from qarl_cli.reward.boxed import last_boxed
 
 
 def user_messages(problems: list[Problem]) -> list[list[dict[str, str]]]:
@@ -48,7 +40,8 @@ def greedy_accuracy(model, tok, problems: list[Problem], max_new_tokens: int = 1
     texts = greedy_texts(model, tok, user_messages(problems), max_new_tokens)
     hits: dict[int, list[int]] = defaultdict(list)
     for p, text in zip(problems, texts):
-        hits[p.level].append(int(boxed_answer(text) == p.answer))
+        answer = last_boxed(text)
+        hits[p.level].append(int(answer is not None and answer.strip() == p.answer))
     total = [h for v in hits.values() for h in v]
     return {"accuracy": sum(total) / max(len(total), 1),
             **{f"accuracy_level{lv}": sum(v) / len(v) for lv, v in sorted(hits.items())}}
