@@ -65,7 +65,7 @@ def engine(tmp_path_factory):
     samples = _sample(llm)
     (probe,) = llm.collective_rpc(_probe_linears)
     yield {"src": src, "samples": samples, "probe": probe}
-    del llm
+    llm.llm_engine.engine_core.shutdown()  # now, not at some later gc: it resets vLLM's process-global state
 
 
 def _model(src, kernel=None):
@@ -153,6 +153,7 @@ def test_gpu_engine_serves_the_gpu_only_schemes(tmp_path, name):
     write_checkpoint(src, ckpt, build_scheme(SCHEMAS[name](), "cuda"), progress=False)
     llm = LLM(model=str(ckpt), enforce_eager=True, gpu_memory_utilization=0.3, dtype="bfloat16", seed=0)
     samples = _sample(llm)
+    llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
     torch.cuda.empty_cache()

@@ -20,6 +20,8 @@ IMPLEMENTATIONS: dict[str, dict[str, str]] = {
     },
     # Forward(cfg.forward, scheme).apply(model) -> model.
     "forward": {"aligned": "qarl_cli.quant.aligned:AlignedForward", "bf16": "qarl_cli.quant.aligned:BF16Forward"},
+    # Engine(cfg.rollout, model_dir, scheme, weights=..., ...) (see qarl_cli.rollout.base.build_engine).
+    "rollout": {"vllm": "qarl_cli.rollout.vllm_engine:VLLMEngine", "torch": "qarl_cli.rollout.torch_engine:TorchEngine"},
     "reward": {"math_verify": "qarl_cli.reward.math_verify:MathVerifyReward"},
     "algorithm": {name: f"qarl_cli.objectives:OBJECTIVES.{name}" for name in ("tbpo", "gspo", "grpo", "dapo")},
 }

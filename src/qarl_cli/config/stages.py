@@ -93,7 +93,9 @@ class InplaceSyncConfig(SyncConfig):
     # online: bf16 weights are sent and the engine quantizes them.
     mode: str = "prequantized"
     verify_every: int = 0  # every N syncs, compare engine logprobs on a probe with the trainer's; 0 = never
-    verify_tolerance: float = 1e-3  # max |logprob difference| the probe accepts
+    # Largest mean |logprob gap| over the probe's tokens the verify accepts. Measured on the tiny model (CPU):
+    # ~2e-7 unquantized fp32, ~5e-4 int8 (rounding flips in vLLM's kernels); a stale or garbled engine: >5e-2.
+    verify_tolerance: float = 1e-2
 
     def __post_init__(self) -> None:
         require(self.mode in SYNC_MODES, "mode", self.mode, f"must be one of {', '.join(SYNC_MODES)}")

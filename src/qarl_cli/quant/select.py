@@ -25,6 +25,13 @@ def is_ignored(name: str, ignore: Iterable[str]) -> bool:
     return any(re.fullmatch(p, name) for p in ignore)
 
 
+def is_linear(module: nn.Module) -> bool:
+    """nn.Linear, or a module standing in for one with the same weight (the aligned forward's AlignedLinear),
+    so that an aligned model has the checkpoint plan of the model it was made from."""
+    return isinstance(module, nn.Linear) or (
+        hasattr(module, "in_features") and isinstance(getattr(module, "weight", None), nn.Parameter))
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     params = [getattr(module, n, None) for n in ("gate_up_proj", "down_proj")]
     return all(isinstance(p, nn.Parameter) and p.dim() == 3 for p in params)
@@ -90,7 +97,7 @@ def checkpoint_plan(model: nn.Module, ignore: Iterable[str]) -> CheckpointPlan:
         fused = next((p for p in experts if owner.startswith(p + ".")), None)
         if fused is not None and experts[fused]:
             quantized.add(key)
-        elif fused is None and isinstance(modules.get(owner), nn.Linear) and not is_ignored(owner, ignore):
+        elif fused is None and is_linear(modules.get(owner)) and not is_ignored(owner, ignore):
             quantized.add(key)
         else:
             kept.append(owner)

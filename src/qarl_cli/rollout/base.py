@@ -1,0 +1,89 @@
+"""The rollout stage's contract (`rollout` group). An engine samples n responses per prompt with the
+per-token logprob of each sampled token (`rollout_logprobs`: raw model logprobs, before temperature and top-p,
+which is what the objectives compare with the trainer's), scores given sequences (the sync's verify probe), and
+takes new weights in place.
+
+Weights arrive as (name, tensor) in checkpoint format: with `weights="prequantized"` the scheme's packed low-bit
+tensors and scales (`quant.checkpoint.quantized_state`), which the engine uses as they are; with
+`weights="online"` the trainer's unquantized masters, which the engine quantizes with the same scheme. A load
+either applies completely or raises WeightSyncError and leaves the engine on its old weights."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from qarl_cli.config.errors import UserError
+
+WEIGHT_MODES = ("prequantized", "online")
+FINISH_REASONS = ("stop", "length")  # stop: the model ended its turn (EOS); length: max_tokens reached
+
+
+class WeightSyncError(UserError, RuntimeError):
+    """Weights the engine refuses (unknown name, wrong shape or dtype, NaN/inf, a failed verify probe). The
+    engine keeps serving its previous weights."""
+
+
+@dataclass
+class RolloutBatch:
+    """Samples in prompt-major order: the n samples of prompt 0, then those of prompt 1, ..."""
+
+    prompt_index: list[int]  # which prompt each sample answers
+    response_ids: list[list[int]]  # sampled tokens, the stop token included when the model stopped
+    rollout_logprobs: list[list[float]]  # one per response token
+    finish_reasons: list[str]  # one of FINISH_REASONS
+    seconds: float = 0.0  # wall time of the generate call
+    meta: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class RolloutEngine(Protocol):
+    name: str
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> RolloutBatch:
+        """n samples per prompt (token ids, chat template already applied). temperature 0 is greedy.
+        The same seed, prompts and weights give the same samples."""
+        ...
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """log p(token_t | tokens_<t) for t = 1 .. len-1 of each sequence (the verify probe)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the weights named (a subset of the checkpoint's names is fine), all or nothing."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+def build_engine(cfg, model_dir: Path, scheme, *, weights: str = "prequantized", dtype: str = "bfloat16",
+                 seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
+                 workdir: Optional[Path] = None) -> RolloutEngine:
+    """The engine of `rollout=cfg.name` serving the unquantized checkpoint `model_dir` quantized with `scheme`.
+    max_model_len: the longest prompt + response the run needs. workdir: where an engine may write the
+    quantized checkpoint it starts from (a temporary directory when None)."""
+    from qarl_cli.config.errors import require
+    from qarl_cli.stages import resolve
+
+    require(weights in WEIGHT_MODES, "sync.mode", weights, f"must be one of {', '.join(WEIGHT_MODES)}")
+    return resolve("rollout", cfg.name)(cfg, Path(model_dir), scheme, weights=weights, dtype=dtype, seed=seed,
+                                        max_model_len=max_model_len, device=device, workdir=workdir)

