@@ -72,6 +72,13 @@ class _Cached(nn.Module):
     def refresh(self) -> None:
         self._key = self._value = None
 
+    def load_quantized(self, value: Any) -> None:
+        """Serve `value` (what `compute` returns) as it is: a rollout engine's prequantized weights, which
+        no master holds. Pinned to the masters' current versions, so only a write to this module's masters (or
+        `refresh`) replaces it; the masters themselves are left stale."""
+        self._value = value
+        self._key = _version_key(self.masters())
+
     def quantized(self) -> Any:
         key = _version_key(self.masters())
         if key != self._key:

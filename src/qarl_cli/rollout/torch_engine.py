@@ -1,0 +1,228 @@
+"""rollout=torch: an embedded engine in plain PyTorch. It runs the model with the very modules of the aligned
+forward (quant/aligned.py), so on the same weights its logprobs are the trainer's up to float rounding that
+differs with the batch layout (which int8's activation rounding can turn into a few 1e-3 in a logprob, now and
+then, below float64), and it needs nothing beyond transformers: the engine of CPU runs and tests, and the
+reference the vLLM engine is compared with.
+
+Sampling is batched with a KV cache (transformers' DynamicCache): prompts are left-padded, positions come from
+the attention mask, and finished sequences leave the batch. Weights arrive in checkpoint format; prequantized
+ones are served exactly as sent (the packed tensors dequantized into the aligned modules' caches), online ones
+are copied into the masters and quantized by the aligned modules."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from qarl_cli.config.stages import TorchRolloutConfig
+from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
+from qarl_cli.quant.base import resolve_device
+from qarl_cli.quant.checkpoint import plan_for, quantized_state
+from qarl_cli.quant.select import CheckpointPlan, checkpoint_state, is_fused_experts
+from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
+from qarl_cli.rollout.weights import checked, spec_of
+
+ENGINE = "rollout=torch"
+# A fused experts module's matrices under their checkpoint names (select.py): `{experts}.{e}.{proj}.weight`.
+_EXPERT = re.compile(r"(.+)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, cfg: TorchRolloutConfig, model_dir: Path, scheme, *, weights: str = "prequantized",
+                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None,
+                 device: str = "auto", workdir: Optional[Path] = None) -> None:
+        """seed: unused, every generate call is seeded on its own. max_model_len: unused, the cache grows as
+        needed. workdir: unused, nothing is written."""
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.scheme, self.weights = cfg, scheme, weights
+        self.device = torch.device(resolve_device(device))
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
+        eos = model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        # What the engine accepts, from a twin on the meta device (no weight is copied or quantized).
+        with torch.device("meta"):
+            twin = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
+        state = checkpoint_state(twin)
+        # online: every tensor arrives unquantized, as the trainer holds it
+        plan = plan_for(twin, scheme) if weights == "prequantized" else CheckpointPlan(frozenset(), ())
+        self.spec = spec_of(quantized_state(state, scheme, plan))
+        # name of each packed tensor -> the matrix (checkpoint prefix) it belongs to; the rest are plain tensors.
+        self._owner = {}
+        for name in self.spec:
+            owner = name.rsplit(".", 1)[0]
+            if f"{owner}.weight" in plan.quantized and (name not in state or name in plan.quantized):
+                self._owner[name] = owner
+        model.requires_grad_(False)
+        self.model = align(model.to(self.device), scheme).eval()
+        self._modules = dict(self.model.named_modules())
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._dest = {n: self._destination(n, params) for n in self.spec if n not in self._owner}
+        self._parts: dict[str, list[str]] = {}
+        for name, owner in self._owner.items():
+            self._parts.setdefault(owner, []).append(name)
+        self._aligned = {owner: self._aligned_module(owner) for owner in self._parts}
+
+    def _destination(self, name: str, params: dict) -> tuple[torch.nn.Parameter, tuple]:
+        """The parameter (and the index into it) that a plain checkpoint tensor is copied into: itself, or its
+        slice of a fused experts matrix (gate_up_proj [E, 2I, H] holds gate rows then up rows)."""
+        if name in params:
+            return params[name], (...,)
+        experts, e, proj = self._expert(name, is_fused_experts)
+        if proj == "down_proj":
+            return experts.down_proj, (e,)
+        half = experts.gate_up_proj.shape[1] // 2
+        return experts.gate_up_proj, (e, slice(0, half) if proj == "gate_proj" else slice(half, 2 * half))
+
+    def _aligned_module(self, owner: str) -> tuple:
+        """(module, expert, projection) serving a quantized matrix: an AlignedLinear, or one expert matrix of an
+        AlignedExperts."""
+        if isinstance(self._modules.get(owner), AlignedLinear):
+            return self._modules[owner], None, None
+        return self._expert(f"{owner}.weight", lambda m: isinstance(m, AlignedExperts))
+
+    def _expert(self, name: str, fits) -> tuple:
+        match = _EXPERT.fullmatch(name)
+        module = self._modules.get(match.group(1)) if match else None
+        if module is None or not fits(module):
+            raise ValueError(f"{ENGINE}: no module serves checkpoint tensor {name!r}")
+        return module, int(match.group(2)), match.group(3)
+
+    # ---- sampling --------------------------------------------------------------------------------------------
+
+    @torch.no_grad()  # not inference_mode: the aligned caches built here are written in place by load_weights
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> RolloutBatch:
+        start = time.time()
+        index = [i for i in range(len(prompts)) for _ in range(n)]
+        gen = torch.Generator(self.device).manual_seed(seed)
+        response_ids, logprobs, reasons = [], [], []
+        for lo in range(0, len(index), self.cfg.batch_size):
+            chunk = [prompts[i] for i in index[lo:lo + self.cfg.batch_size]]
+            ids, lps, why = self._sample(chunk, temperature, top_p, max_tokens, gen)
+            response_ids += ids
+            logprobs += lps
+            reasons += why
+        return RolloutBatch(index, response_ids, logprobs, reasons, seconds=time.time() - start)
+
+    def _sample(self, prompts: list, temperature: float, top_p: float, max_tokens: int,
+                gen: torch.Generator) -> tuple[list, list, list]:
+        from transformers import DynamicCache
+
+        ids, mask = self._pad(prompts, left=True)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
+                            past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        position = mask.sum(-1)  # of the next token: the prompt's real length
+        live = list(range(len(prompts)))  # the rows still sampling, in the cache's batch order
+        responses: list[list[int]] = [[] for _ in prompts]
+        logprobs: list[list[float]] = [[] for _ in prompts]
+        reasons = ["length"] * len(prompts)
+        for step in range(max_tokens):
+            logits = logits.float()
+            token = self._pick(logits, temperature, top_p, gen)
+            # raw logprob of the sampled token, before temperature and top-p (vLLM's raw_logprobs)
+            logp = torch.log_softmax(logits, -1).gather(-1, token[:, None])[:, 0]
+            for row, t, lp in zip(live, token.tolist(), logp.tolist()):
+                responses[row].append(t)
+                logprobs[row].append(lp)
+                if t in self.eos:
+                    reasons[row] = "stop"
+            keep = [i for i, row in enumerate(live) if reasons[row] != "stop"]
+            if not keep or step == max_tokens - 1:
+                break
+            if len(keep) < len(live):  # finished sequences leave the batch (and the cache)
+                rows = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(rows)
+                token, mask, position = token[rows], mask[rows], position[rows]
+                live = [live[i] for i in keep]
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], -1)
+            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            position = position + 1
+        return responses, logprobs, reasons
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
+        if temperature == 0:
+            return logits.argmax(-1)
+        probs = torch.softmax(logits / temperature, -1)
+        if top_p < 1:
+            # nucleus: keep the most likely tokens until their mass reaches top_p (the first one always)
+            top, order = probs.sort(dim=-1, descending=True, stable=True)
+            top = top.masked_fill(top.cumsum(-1) - top >= top_p, 0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, top)
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+
+    def _pad(self, seqs: Sequence[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask; padding uses token 0, which the mask hides."""
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            ids[i, cols] = torch.tensor(list(s), dtype=torch.long)
+            mask[i, cols] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        out = []
+        for lo in range(0, len(sequences), self.cfg.batch_size):
+            chunk = sequences[lo:lo + self.cfg.batch_size]
+            ids, mask = self._pad(chunk, left=False)  # right padding: the real tokens keep positions 0..len-1
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            for i, seq in enumerate(chunk):
+                logp = torch.log_softmax(logits[i, :len(seq) - 1].float(), -1)
+                out.append(logp.gather(-1, ids[i, 1:len(seq), None])[:, 0].tolist())
+        return out
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = checked(weights, self.spec, ENGINE)
+        plain, packed = [], {}
+        for name, tensor in items:
+            if name in self._owner:
+                packed.setdefault(self._owner[name], {})[name.rsplit(".", 1)[1]] = tensor
+            else:
+                plain.append((name, tensor))
+        for owner, parts in packed.items():  # a matrix is dequantized from all its parts: they come together
+            missing = [n for n in self._parts[owner] if n.rsplit(".", 1)[1] not in parts]
+            if missing:
+                raise WeightSyncError(f"{ENGINE}: weight {missing[0]!r} is missing (the tensors of {owner!r} come "
+                                      "together); the engine kept its old weights")
+        with torch.no_grad():
+            for name, tensor in plain:
+                param, at = self._dest[name]
+                param[at].copy_(tensor)
+            for owner, parts in packed.items():
+                self._load_packed(owner, {k: t.to(self.device) for k, t in parts.items()})
+        if self.weights == "online":
+            refresh(self.model)  # the aligned modules quantize the new masters at the next forward
+
+    def _load_packed(self, owner: str, packed: dict) -> None:
+        """Pin one matrix's sent low-bit weight into its aligned module, without touching the masters (so the
+        cached weights of every other module stay valid). The masters keep the checkpoint's weights: a
+        `refresh`, or moving the model to another device, would serve those again."""
+        module, e, proj = self._aligned[owner]
+        if e is None:
+            w_dq = self.scheme.dequantize(packed, module.weight.dtype)
+            module.load_quantized((packed if module.lowbit else None, w_dq))
+            return
+        gate_up, down = module.quantized()  # the served weights; only this expert matrix changes
+        half = gate_up.shape[1] // 2
+        target = {"gate_proj": gate_up[e, :half], "up_proj": gate_up[e, half:], "down_proj": down[e]}[proj]
+        target.copy_(self.scheme.dequantize(packed, gate_up.dtype))
+        module.load_quantized((gate_up, down))
+
+    def close(self) -> None:
+        self.model = self._modules = self._dest = self._aligned = None  # the last references to the weights
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
