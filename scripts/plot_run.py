@@ -1,0 +1,58 @@
+"""Curves of a training run from its metrics.jsonl: reward and accuracy (train reward, test avg@k and greedy),
+rollout mismatch (k3_kl), error-token rates, and the step-time split by stage.
+
+    .venv/bin/python scripts/plot_run.py RUN_DIR [--out RUN_DIR/curves.png]"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+PANELS = [
+    ("reward and accuracy", ["reward/mean", "eval/avg@4", "eval/greedy_acc"]),
+    ("rollout mismatch", ["mismatch/k3_kl", "mismatch/abs_logp_diff_mean"]),
+    ("error tokens", ["error_tokens/any_frac", "error_tokens/repeat_frac", "error_tokens/truncated_frac"]),
+    ("seconds per step", ["time/rollout", "time/reward", "time/forward", "time/update", "time/sync"]),
+]
+
+
+def load(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"plot_run: {path} not found (is {run_dir} a qarl train run directory?)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = load(args.run_dir)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    for ax, (title, keys) in zip(axes, PANELS):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                xs, ys = zip(*points)
+                ax.plot(xs, ys, marker="o" if len(points) < 20 else None, label=key, linewidth=1.2)
+        if title == "rollout mismatch":
+            ax.set_yscale("symlog", linthresh=1e-6)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = args.out or args.run_dir / "curves.png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

