@@ -59,3 +59,45 @@ def muon_with_adamw(model: torch.nn.Module, lr: float, weight_decay: float = 0.0
     rest = [p for n, p in named if p.requires_grad and not is_hidden_matrix(n, p)]
     return [Muon(hidden, lr=lr, weight_decay=weight_decay),
             torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay)]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the hidden matrices and AdamW for the rest as one optimizer (one state dict, one schedule, one
+    step hook): what the QaRL paper trains with. Muon's update has a fixed size per matrix whatever the gradient's
+    noise; AdamW's moves every weight by about lr, noise-only gradients included."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.95,
+                 betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8, adamw_lr_ratio: float = 1.0) -> None:
+        """adamw_lr_ratio: the AdamW group's learning rate relative to Muon's (Muon's update entries have an RMS
+        of 0.2 lr; AdamW's, early on, of about lr)."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for n, p in named if is_hidden_matrix(n, p)], "muon": True, "lr": lr},
+                  {"params": [p for n, p in named if not is_hidden_matrix(n, p)], "muon": False,
+                   "lr": lr * adamw_lr_ratio}]
+        super().__init__([g for g in groups if g["params"]], dict(lr=lr, weight_decay=weight_decay,
+                                                                   momentum=momentum, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if wd:
+                    p.mul_(1 - lr * wd)
+                if group["muon"]:
+                    buf = state.setdefault("momentum", torch.zeros_like(p))
+                    buf.mul_(group["momentum"]).add_(p.grad)
+                    update = orthogonalize(p.grad.add(buf, alpha=group["momentum"]))
+                    p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
+                    continue
+                b1, b2 = group["betas"]
+                state["step"] = state.get("step", 0) + 1
+                m = state.setdefault("exp_avg", torch.zeros_like(p))
+                v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                denom = (v / (1 - b2 ** state["step"])).sqrt_().add_(group["eps"])
+                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** state["step"]))

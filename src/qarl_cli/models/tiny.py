@@ -23,7 +23,12 @@ BUILD_MARKER = "qarl_build.json"
 def cache_path(cfg: TinyModelConfig) -> Path:
     recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "cache_dir", "trust_remote_code")}
     key = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
+    cache_dir = cfg.cache_dir
+    if "${" in cache_dir:  # the schema's default, unresolved when the config was built in Python, not by Hydra
+        from omegaconf import OmegaConf
+
+        cache_dir = OmegaConf.create({"dir": cache_dir}).dir
+    return Path(os.path.expanduser(cache_dir)) / f"{cfg.name}-{key}"
 
 
 def is_complete(path: Path) -> bool:

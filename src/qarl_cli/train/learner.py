@@ -37,8 +37,15 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
 class Learner:
     def __init__(self, model: nn.Module, cfg: Any, objective: Callable, device: torch.device) -> None:
         self.model, self.cfg, self.objective, self.device = model, cfg, objective, device
-        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                           betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if cfg.optimizer == "muon":
+            from qarl_cli.optim import MuonAdamW
+
+            self.optimizer = MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr_ratio=0.2)
+        elif cfg.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
         self.skipped = 0
