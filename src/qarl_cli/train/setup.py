@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from qarl_cli.config.errors import UserError
 from qarl_cli.config.root import TrainConfig
 
 
@@ -74,9 +75,16 @@ def build(cfg: TrainConfig, run_dir: Path, log=print) -> Run:
     stack = contextlib.ExitStack()
     try:
         longest = max(map(len, prompt_ids(tokenizer, [chat_messages(cfg.data, p) for p in splits.test[:256]])))
-        engine = build_engine(cfg.rollout, weights, scheme, weights=cfg.sync.mode, dtype=cfg.model.dtype,
-                              seed=cfg.seed, max_model_len=2 * longest + cfg.max_new_tokens, device=device.type,
-                              workdir=None)
+        try:
+            engine = build_engine(cfg.rollout, weights, scheme, weights=cfg.sync.mode, dtype=cfg.model.dtype,
+                                  seed=cfg.seed, max_model_len=2 * longest + cfg.max_new_tokens,
+                                  device=device.type, workdir=None)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - vLLM's start-up errors are long; say which stage and why
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise UserError(f"rollout={cfg.rollout.name} failed to start ({type(e).__name__}: {first}); "
+                            "nothing was trained") from e
         stack.callback(engine.close)
         reward = resolve("reward", cfg.reward.name)(cfg.reward)
         stack.callback(reward.close)
