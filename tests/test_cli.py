@@ -61,8 +61,9 @@ def test_unimplemented_stage_says_so(tmp_path, capsys, monkeypatch):
     assert len(errors) == 1 and "rollout=torch" in errors[0] and "Traceback" not in err
 
 
+# The smallest real run; the embedded engine starts in a second (vLLM runs are covered by test_train).
 TINY = ["model.warm_start_steps=0", "model.num_layers=1", "data.test_size=6", "reward.num_workers=1", "steps=1",
-        "prompts_per_step=2", "samples_per_prompt=2", "eval_samples=1"]
+        "prompts_per_step=2", "samples_per_prompt=2", "eval_samples=1", "rollout=torch"]
 
 
 def test_multirun_launches_one_job_per_value_into_separate_dirs(tmp_path):
