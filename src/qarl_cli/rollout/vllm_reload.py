@@ -53,7 +53,12 @@ def reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> flo
     """Load checkpoint-format `weights` into the worker's model; returns the seconds it took."""
     import time
 
+    import logging
+
     start = time.perf_counter()
+    # Every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is not a checkpoint tensor
+    # and is put back as it was, which is right. Keep the per-step log readable.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
     model = worker.model_runner.get_model()
     cpu = _is_cpu()
     if cpu:
