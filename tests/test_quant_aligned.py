@@ -78,6 +78,24 @@ def test_int8_lowbit_is_the_engine_gemm_with_the_same_gradients():
     torch.testing.assert_close(low[0].weight.grad, fake[0].weight.grad)
 
 
+@pytest.mark.parametrize("name", SCHEMES)
+def test_the_weight_sync_reuses_the_forwards_wq(dense_path, name):
+    """quantized_state of an aligned model sends the cached Wq: after a step, the sync and every later forward
+    quantize once in all, and what is sent equals quantizing the masters afresh (the unaligned model)."""
+    from qarl_cli.quant.checkpoint import quantized_state
+
+    scheme = build_scheme(SCHEMAS[name](), "cpu")
+    plain = _load(dense_path)
+    model = align(_load(dense_path), scheme)
+    layers = [m for m in model.modules() if isinstance(m, AlignedLinear)]
+    sent = dict(quantized_state(model, scheme))
+    assert all(m.quantizations == 1 for m in layers)  # the sync computed Wq into the caches...
+    model(torch.randint(3, 100, (2, 9)))
+    assert all(m.quantizations == 1 for m in layers)  # ...and the forward used them
+    fresh = dict(quantized_state(plain, scheme))
+    assert sent.keys() == fresh.keys() and all(torch.equal(sent[k], fresh[k]) for k in fresh)
+
+
 def test_wq_is_computed_once_per_optimizer_step(dense_path):
     model = _load(dense_path)
     align(model, build_scheme(Int8Config(), "cpu"))

@@ -58,7 +58,6 @@ def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], messages:
     """`messages[i]`: the chat prompt of `problems[i]`. `progress(n)` is called as prompts finish."""
     from qarl_cli.models.hf_eval import prompt_ids
 
-    stop = set(_eos_ids(tokenizer))
     start = time.perf_counter()
     hits: list[list[int]] = []
     flags, lengths, results, shown = [], [], [], []
@@ -69,14 +68,12 @@ def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], messages:
                                 top_p=top_p, max_tokens=max_tokens, seed=seed + lo)
         gen_seconds += batch.seconds
         tokens += batch.num_tokens
-        bodies = [r[:-1] if r and reason == "stop" and r[-1] in stop else r
-                  for r, reason in zip(batch.response_ids, batch.finish_reasons)]
-        texts = tokenizer.batch_decode(bodies, skip_special_tokens=True)
+        texts, batch_flags = decode(batch, tokenizer, max_tokens)
+        flags += batch_flags
+        lengths += batch.lengths
         scored = reward.score(texts, [part[i].answer for i in batch.prompt_index])
         results.append(scored)
-        for i, (text, body, reason, r) in enumerate(zip(texts, bodies, batch.finish_reasons, scored.rewards)):
-            flags.append(detect(body, text, max_tokens, reason))
-            lengths.append(len(batch.response_ids[i]))
+        for i, text in enumerate(texts):
             if len(shown) < keep_samples:
                 p = part[batch.prompt_index[i]]
                 shown.append({"prompt": p.prompt, "answer": p.answer, "completion": text, "status":
@@ -101,6 +98,11 @@ def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], messages:
     return EvalResult(metrics, groups, shown)
 
 
-def _eos_ids(tokenizer: Any) -> list[int]:
+def decode(batch: Any, tokenizer: Any, max_tokens: int) -> tuple[list[str], list]:
+    """The responses' texts (the final stop token left out) and their error-token flags."""
     eos = tokenizer.eos_token_id
-    return list(eos) if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []
+    stop = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    bodies = [r[:-1] if r and reason == "stop" and r[-1] in stop else r
+              for r, reason in zip(batch.response_ids, batch.finish_reasons)]
+    texts = tokenizer.batch_decode(bodies, skip_special_tokens=True)
+    return texts, [detect(b, t, max_tokens, f) for b, t, f in zip(bodies, texts, batch.finish_reasons)]

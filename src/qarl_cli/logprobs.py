@@ -8,6 +8,13 @@ from typing import Sequence
 import torch
 
 
+def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                        ) -> torch.Tensor:
+    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (with grad if enabled)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+
+
 @torch.no_grad()
 def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]], batch_size: int = 64,
                       pad_id: int = 0) -> list[list[float]]:
@@ -23,7 +30,6 @@ def sequence_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]]
         for row, s in enumerate(chunk):
             ids[row, :len(s)] = torch.tensor(s)
             mask[row, :len(s)] = 1
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-        logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+        logp = next_token_logprobs(model, ids, mask)
         out += [logp[row, :len(s) - 1].tolist() for row, s in enumerate(chunk)]
     return out

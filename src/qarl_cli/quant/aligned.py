@@ -120,10 +120,14 @@ class AlignedLinear(_Cached):
     def masters(self) -> list[nn.Parameter]:
         return [self.weight]
 
-    def compute(self) -> tuple[dict | None, torch.Tensor]:
+    def compute(self) -> tuple[dict, torch.Tensor]:
         packed = self.scheme.quantize(self.weight.detach())
-        w_dq = self.scheme.dequantize(packed, self.weight.dtype)
-        return (packed if self.lowbit else None), w_dq
+        return packed, self.scheme.dequantize(packed, self.weight.dtype)
+
+    def packed(self) -> dict:
+        """Wq in the scheme's checkpoint format, from the cache: the weight sync sends these, so Q(W) runs once
+        per optimizer step for the sync and every forward until the next step."""
+        return self.quantized()[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, w_dq = self.quantized()

@@ -42,6 +42,10 @@ class Scheme(Protocol):
         """The (name, tensor) pairs of one 2-D linear weight `prefix.weight` in the scheme's vLLM checkpoint."""
         ...
 
+    def packed_tensors(self, prefix: str, packed: Packed, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+        """The same pairs from an already quantized weight of `shape` (no quantization)."""
+        ...
+
     def quantization_config(self, ignore: list[str]) -> Optional[dict]:
         """config.json's `quantization_config` block; `ignore`: linear layers left unquantized. None: no block."""
         ...
@@ -86,7 +90,10 @@ class SchemeBase:
         return self.dequantize_act(*self.quantize_act(x), x.dtype)
 
     def checkpoint_tensors(self, prefix: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return [(f"{prefix}.{suffix}", t.contiguous()) for suffix, t in self.quantize(w).items()]
+        return self.packed_tensors(prefix, self.quantize(w), tuple(w.shape))
+
+    def packed_tensors(self, prefix: str, packed: Packed, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+        return [(f"{prefix}.{suffix}", t.contiguous()) for suffix, t in packed.items()]
 
     def quantization_config(self, ignore: list[str]) -> Optional[dict]:
         raise NotImplementedError

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from qarl_cli.config.errors import ConfigError
+from qarl_cli.quant.aligned import AlignedLinear
 from qarl_cli.quant.base import Scheme
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
 
@@ -33,20 +34,32 @@ State = Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.T
 def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan] = None
                     ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in the scheme's vLLM checkpoint format: the planned weights quantized, the rest as given.
-    `state`: a model (checkpoint names, plan from its structure and scheme.cfg.ignore) or checkpoint-named
-    tensors (a mapping or pairs; then `plan` is required)."""
+    `state`: a model (checkpoint names, plan from its structure and scheme.cfg.ignore; the linears of an aligned
+    forward with this scheme give their cached Wq) or checkpoint-named tensors (a mapping or pairs; then `plan`
+    is required)."""
+    cached: dict[str, AlignedLinear] = {}
     if isinstance(state, nn.Module):
         plan = plan or plan_for(state, scheme)
+        cached = {f"{n}.weight": m for n, m in state.named_modules()
+                  if isinstance(m, AlignedLinear) and _same_scheme(m.scheme, scheme)}
         state = checkpoint_state(state)
     elif plan is None:
         raise ValueError("quantized_state of checkpoint tensors needs their plan (plan_for)")
     items = state.items() if isinstance(state, Mapping) else state
     with torch.no_grad():
         for name, tensor in items:
-            if name in plan.quantized:
-                yield from scheme.checkpoint_tensors(name.removesuffix(".weight"), tensor)
+            prefix = name.removesuffix(".weight")
+            if name in cached:  # an aligned forward's Wq, already computed for this step: not quantized again
+                yield from scheme.packed_tensors(prefix, cached[name].packed(), tuple(tensor.shape))
+            elif name in plan.quantized:
+                yield from scheme.checkpoint_tensors(prefix, tensor)
             else:
                 yield name, tensor
+
+
+def _same_scheme(a: Scheme, b: Scheme) -> bool:
+    return a is b or (type(a) is type(b) and a.cfg == b.cfg
+                      and getattr(a, "weight_qmax", None) == getattr(b, "weight_qmax", None))
 
 
 def plan_for(model: nn.Module, scheme: Scheme) -> CheckpointPlan:

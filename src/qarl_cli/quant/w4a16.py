@@ -55,9 +55,9 @@ class W4A16Scheme(SchemeBase):
         scale = packed["weight_scale"].float().repeat_interleave(self.group, -1)
         return (q * scale).to(dtype)
 
-    def checkpoint_tensors(self, prefix: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        shape = torch.tensor(list(w.shape), dtype=torch.int64)
-        return [*super().checkpoint_tensors(prefix, w), (f"{prefix}.weight_shape", shape)]
+    def packed_tensors(self, prefix: str, packed: Packed, shape: tuple[int, ...]) -> list[tuple[str, torch.Tensor]]:
+        size = torch.tensor(list(shape), dtype=torch.int64)
+        return [*super().packed_tensors(prefix, packed, shape), (f"{prefix}.weight_shape", size)]
 
     def lowbit_matmul(self, x: torch.Tensor, packed: Packed, w_dq: torch.Tensor) -> torch.Tensor:
         """The fused Triton dequant-matmul on a GPU; elsewhere x @ w_dq^T, which it equals."""

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from qarl_cli.config.stages import TorchRolloutConfig
+from qarl_cli.logprobs import sequence_logprobs
 from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
 from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
@@ -115,7 +116,7 @@ class TorchEngine:
                 gen: torch.Generator) -> tuple[list, list, list]:
         from transformers import DynamicCache
 
-        ids, mask = self._pad(prompts, left=True)
+        ids, mask = self._left_pad(prompts)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
@@ -160,28 +161,19 @@ class TorchEngine:
             probs = torch.zeros_like(probs).scatter_(-1, order, top)
         return torch.multinomial(probs, 1, generator=gen)[:, 0]
 
-    def _pad(self, seqs: Sequence[Sequence[int]], left: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and attention mask; padding uses token 0, which the mask hides."""
+    def _left_pad(self, seqs: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask, left-padded with token 0, which the mask hides."""
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, s in enumerate(seqs):
-            cols = slice(width - len(s), width) if left else slice(0, len(s))
+            cols = slice(width - len(s), width)
             ids[i, cols] = torch.tensor(list(s), dtype=torch.long)
             mask[i, cols] = 1
         return ids.to(self.device), mask.to(self.device)
 
-    @torch.no_grad()
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
-        out = []
-        for lo in range(0, len(sequences), self.cfg.batch_size):
-            chunk = sequences[lo:lo + self.cfg.batch_size]
-            ids, mask = self._pad(chunk, left=False)  # right padding: the real tokens keep positions 0..len-1
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            for i, seq in enumerate(chunk):
-                logp = torch.log_softmax(logits[i, :len(seq) - 1].float(), -1)
-                out.append(logp.gather(-1, ids[i, 1:len(seq), None])[:, 0].tolist())
-        return out
+        return sequence_logprobs(self.model, sequences, batch_size=self.cfg.batch_size)
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
@@ -214,7 +206,7 @@ class TorchEngine:
         module, e, proj = self._aligned[owner]
         if e is None:
             w_dq = self.scheme.dequantize(packed, module.weight.dtype)
-            module.load_quantized((packed if module.lowbit else None, w_dq))
+            module.load_quantized((packed, w_dq))
             return
         gate_up, down = module.quantized()  # the served weights; only this expert matrix changes
         half = gate_up.shape[1] // 2

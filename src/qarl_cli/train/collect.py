@@ -10,7 +10,8 @@ import torch
 from torch import Tensor
 
 from qarl_cli.advantages import group_advantages, signal_mask
-from qarl_cli.reward.error_tokens import detect, error_token_metrics
+from qarl_cli.evaluate import decode
+from qarl_cli.reward.error_tokens import error_token_metrics
 from qarl_cli.rollout.base import RolloutBatch
 from qarl_cli.train.sequences import Sequences, pack
 
@@ -27,15 +28,11 @@ class Collected:
 
 def collect(batch: RolloutBatch, prompts: Sequence[Sequence[int]], problems: Sequence[Any], tokenizer: Any,
             reward: Any, n: int, max_tokens: int, algo: Any, keep_samples: int = 8) -> Collected:
-    eos = tokenizer.eos_token_id
-    bodies = [r[:-1] if reason == "stop" and r and r[-1] == eos else r
-              for r, reason in zip(batch.response_ids, batch.finish_reasons)]
-    texts = tokenizer.batch_decode(bodies, skip_special_tokens=True)
+    texts, flags = decode(batch, tokenizer, max_tokens)
     scored = reward.score(texts, [problems[i].answer for i in batch.prompt_index])
     rewards = torch.tensor(scored.rewards, dtype=torch.float32)
     advantages = group_advantages(rewards, n, algo.adv_std_normalize)
     keep = signal_mask(rewards, n) if algo.drop_no_signal_groups else torch.ones_like(rewards, dtype=torch.bool)
-    flags = [detect(b, t, max_tokens, f) for b, t, f in zip(bodies, texts, batch.finish_reasons)]
     metrics = {**scored.metrics(), **error_token_metrics(flags),
                "response/len_mean": sum(batch.lengths) / max(len(batch), 1),
                "advantage/signal_frac": keep.float().mean().item(),

@@ -12,14 +12,14 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
+from qarl_cli.logprobs import next_token_logprobs
 from qarl_cli.objectives import PolicyBatch
 from qarl_cli.train.sequences import Sequences
 
 
 def token_logprobs(model: nn.Module, seqs: Sequences) -> Tensor:
     """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32."""
-    logits = model(input_ids=seqs.input_ids, attention_mask=seqs.attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, seqs.input_ids[:, 1:, None])[..., 0]
+    return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask)
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
