@@ -14,7 +14,8 @@ import torch
 from qarl_cli.advantages import group_advantages
 from qarl_cli.config.algorithm import LOSS_AGGS, MISMATCH_MODES, NAMES, SCHEMAS, GRPOConfig, GSPOConfig, TBPOConfig
 from qarl_cli.config.errors import ConfigError
-from qarl_cli.objectives import AGGREGATIONS, MISMATCH_LOG_RATIOS, OBJECTIVES, PolicyBatch, get_objective
+from qarl_cli.objectives import (AGGREGATIONS, DENOMINATORS, MISMATCH_LOG_RATIOS, OBJECTIVES, PolicyBatch,
+                                 get_objective)
 
 LN = math.log
 F64 = torch.float64
@@ -312,3 +313,18 @@ def test_config_rejects_bad_values(schema, field, value, message):
     with pytest.raises(ConfigError) as err:
         schema(**{field: value})
     assert str(err.value).startswith(message)
+
+
+@pytest.mark.parametrize("agg", sorted(AGGREGATIONS))
+def test_rank_shares_weighted_by_their_denominators_sum_to_the_whole_batch_loss(agg):
+    """What data-parallel ranks rely on: each rank aggregates its rows, weighted by its share of the batch's
+    denominator; the weighted sum is the whole batch's aggregate, for any split (an all-padding row included)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    m = torch.rand(7, 5, generator=gen) > 0.4
+    m[2] = False  # a row without response tokens
+    whole = AGGREGATIONS[agg](x, m)
+    count = DENOMINATORS[agg]
+    for parts in ([[0, 2, 4, 6], [1, 3, 5]], [[2], [0, 1, 3, 4, 5, 6]], [[0, 1], [2, 3], [4, 5, 6]]):
+        total = sum(count(m[p]).item() / count(m).item() * AGGREGATIONS[agg](x[p], m[p]) for p in parts)
+        assert total.item() == pytest.approx(whole.item(), rel=1e-12)

@@ -168,3 +168,47 @@ def test_a_stage_failing_mid_run_stops_in_one_line_after_a_final_checkpoint(tmp_
     assert "step_000002" in message and (tmp_path / "checkpoints" / "step_000002" / "trainer.pt").is_file()
     assert "MemoryError" in (tmp_path / "error.log").read_text()
     assert sorted(_metrics(tmp_path)) == [1, 2]
+
+
+def _weights(ckpt):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(ckpt) / "model" / "model.safetensors"))
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.slow
+def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_path):
+    """torchrun, 2 gloo ranks, FSDP2 (int8 aligned forward, the embedded engine on rank 0): the weights after
+    2 steps equal a one-process run's up to float summation order (each rank backpropagates half of every
+    minibatch; the reduced gradient is the whole minibatch's), and so does a 2-rank run resumed from the 2-rank
+    step-1 checkpoint (the sharded optimizer state is gathered into it and scattered back)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
+    args = [*SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=1"]
+
+    def run(cmd, run_dir, *extra):
+        out = subprocess.run([*cmd, *args, f"hydra.run.dir={run_dir}", *extra], capture_output=True, text=True,
+                             timeout=600, env=os.environ)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    run(QARL, one)
+    out = run(launch, two)
+    assert out.stdout.count("[qarl] step 2/2") == 1  # rank 0 alone prints
+    run(launch, resumed, f"resume={two / 'checkpoints' / 'step_000001'}")
+    ckpt = lambda run_dir, step: run_dir / "checkpoints" / f"step_{step:06d}"  # noqa: E731
+    moved = _max_diff(_weights(ckpt(one, 1)), _weights(ckpt(one, 2)))
+    assert moved > 1e-5  # the second step changed the weights (lr 1e-4, AdamW)
+    for step in (1, 2):
+        assert _max_diff(_weights(ckpt(one, step)), _weights(ckpt(two, step))) < 1e-6, step
+    assert _max_diff(_weights(ckpt(two, 2)), _weights(ckpt(resumed, 2))) < 1e-6
+    m1, m2 = _metrics(one), _metrics(two)
+    for step in (1, 2):
+        assert m1[step]["reward/mean"] == m2[step]["reward/mean"]  # the same rollouts
+        assert m1[step]["update/grad_norm"] == pytest.approx(m2[step]["update/grad_norm"], rel=1e-5)
+    assert not list(tmp_path.glob("**/error*.log"))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,8 @@ def _run_hydra(command: str, args: list[str]) -> int:
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE if isinstance(e, ConfigError) else 1) from None
 
+    if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 writes the run directory's .hydra/
+        args = [*args, "hydra.output_subdir=null"]
     argv = sys.argv
     sys.argv = [f"qarl {command}", *args]
     try:

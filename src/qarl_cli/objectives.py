@@ -74,6 +74,14 @@ AGGREGATIONS = {
     "seq-mean-token-sum": _seq_mean_token_sum,
 }
 
+# What each aggregation divides by, [B, T] mask -> count. Data-parallel ranks that each aggregate their share of a
+# minibatch weigh their loss by (their count / the minibatch's count): the weighted sum is the minibatch's loss.
+DENOMINATORS = {
+    "token-mean": lambda m: m.bool().sum(),
+    "seq-mean-token-mean": lambda m: m.bool().any(-1).sum(),
+    "seq-mean-token-sum": lambda m: m.bool().any(-1).sum(),
+}
+
 
 # Mismatch correction (config key mismatch): the log of the raw ratio pi_old / mu that weights each token, [B, T].
 def _no_mismatch(b: PolicyBatch) -> Tensor:

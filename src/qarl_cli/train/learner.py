@@ -2,7 +2,10 @@
 update of one rollout batch: minibatches x epochs of objective + backward + clipped optimizer step.
 
 A step whose loss or gradient is not finite is skipped: gradients are dropped before the optimizer sees them,
-so the weights stay as they were, and the skip is counted (`update/skipped_steps`)."""
+so the weights stay as they were, and the skip is counted (`update/skipped_steps`).
+
+Under torchrun (train.distributed) every rank runs these same calls on its share of each minibatch; `dist` is
+where they differ from one process (which rows, the loss weight, the sums over ranks)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from qarl_cli.logprobs import next_token_logprobs
-from qarl_cli.objectives import PolicyBatch
+from qarl_cli.objectives import DENOMINATORS, PolicyBatch
+from qarl_cli.train.distributed import Single, chunks_per_rank
 from qarl_cli.train.sequences import Sequences
 
 
@@ -35,8 +39,10 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
 
 
 class Learner:
-    def __init__(self, model: nn.Module, cfg: Any, objective: Callable, device: torch.device) -> None:
-        self.model, self.cfg, self.objective, self.device = model, cfg, objective, device
+    def __init__(self, model: nn.Module, cfg: Any, objective: Callable, device: torch.device,
+                 dist: Single = Single()) -> None:
+        """`model`: already sharded where distributed (the optimizer is built over its parameters as they are)."""
+        self.model, self.cfg, self.objective, self.device, self.dist = model, cfg, objective, device, dist
         params = [p for p in model.parameters() if p.requires_grad]
         if cfg.optimizer == "muon":
             from qarl_cli.optim import MuonAdamW
@@ -58,11 +64,15 @@ class Learner:
         """pi_old: the aligned forward at the weights that sampled the batch (no grad)."""
         self.model.eval()
         out = torch.zeros_like(seqs.rollout_logprobs)
-        for lo in range(0, len(seqs), chunk):
-            rows = torch.arange(lo, min(lo + chunk, len(seqs)))
+        mine, real = self.dist.share(torch.arange(len(seqs)))
+        for i in range(chunks_per_rank(len(seqs), self.dist.world, chunk)):  # the same count on every rank
+            rows = mine[i * chunk:(i + 1) * chunk] if real else mine
+            rows, used = (rows, real) if len(rows) else (mine[:1], False)
             part = seqs.select(rows).to(self.device)
-            out[rows, :part.mask.shape[1]] = token_logprobs(self.model, part).cpu()
-        return out
+            logprobs = token_logprobs(self.model, part).cpu()
+            if used:
+                out[rows, :part.mask.shape[1]] = logprobs
+        return self.dist.all_sum(out)
 
     @property
     def needs_old_pass(self) -> bool:
@@ -79,31 +89,55 @@ class Learner:
         gen = torch.Generator().manual_seed(seed)
         sums: dict[str, float] = {}
         steps = 0
+        on_policy = old is None
+        if on_policy:  # theta_old is theta: pi_old is each row's first forward, filled in as the rows come
+            old = torch.zeros_like(seqs.rollout_logprobs)
+        count = DENOMINATORS[algo_cfg.loss_agg]
         for _ in range(self.cfg.epochs_per_step):
             order = torch.randperm(len(seqs), generator=gen)
             for rows in order.chunk(self.cfg.minibatches):
-                part = seqs.select(rows).to(self.device)
+                mine, real = self.dist.share(rows)
+                part = seqs.select(mine).to(self.device)
                 width = part.mask.shape[1]
                 logprobs = token_logprobs(self.model, part)
-                if old is None:  # on-policy: theta_old is theta
-                    old = torch.zeros_like(seqs.rollout_logprobs)
-                    old[rows, :width] = logprobs.detach().cpu()
-                batch = PolicyBatch(logprobs, old[rows, :width].to(self.device), part.rollout_logprobs,
-                                    advantages[rows].to(self.device), part.mask)
+                if on_policy and real:
+                    old[mine, :width] = logprobs.detach().cpu()
+                batch = PolicyBatch(logprobs, old[mine, :width].to(self.device), part.rollout_logprobs,
+                                    advantages[mine].to(self.device), part.mask)
                 loss, metrics = self.objective(batch, algo_cfg)
+                # This rank's weight in the minibatch's loss (1 in one process); x world: FSDP averages gradients.
+                share = count(part.mask).item() / max(count(seqs.mask[rows]).item(), 1) if real else 0.0
                 self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else float("inf")
-                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-                if not (torch.isfinite(loss) and torch.isfinite(norm)):
+                (loss * (share * self.dist.world) if self.dist.world > 1 else loss).backward()
+                norm = self._clip()
+                stats = {**metrics, "update/loss": loss.item()}
+                if self.dist.world > 1:
+                    keys = sorted(stats)
+                    summed = self.dist.all_sum(torch.tensor([share * stats[k] for k in keys], dtype=torch.float64))
+                    stats = dict(zip(keys, summed.tolist()))
+                if not (math.isfinite(stats["update/loss"]) and math.isfinite(norm)):
                     self.optimizer.zero_grad(set_to_none=True)  # the weights stay as they are
                     self.skipped += 1
                     continue
                 self.optimizer.step()
                 steps += 1
-                for k, v in {**metrics, "update/loss": loss.item(), "update/grad_norm": norm.item()}.items():
+                for k, v in {**stats, "update/grad_norm": norm}.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
+        if on_policy:
+            old = self.dist.all_sum(old)
         self.scheduler.step()
         out = {k: v / max(steps, 1) for k, v in sums.items()}
         out.update({"update/lr": lr, "update/skipped_steps": float(self.skipped)})
         return out, old
+
+    def _clip(self) -> float:
+        """Clip the gradients to a global norm of grad_clip (0: no clipping); returns the norm before clipping.
+        Sharded gradients' norm is a DTensor; its full value needs the other ranks' shards."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 self.cfg.grad_clip, norm)
+        return norm.item()

@@ -47,4 +47,17 @@ class WandbLogger(JsonlLogger):
         self.run.finish()
 
 
+class NullLogger:
+    """The loggers of ranks other than 0 under torchrun: rank 0 logs the run."""
+
+    def __init__(self, *args: Any) -> None:
+        pass
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[dict] | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 LOGGERS = {"console": JsonlLogger, "wandb": WandbLogger}

@@ -25,11 +25,12 @@ class StageFailed(UserError, RuntimeError):
     """A stage raised mid-run; the run stopped after writing a final checkpoint."""
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> int:
+def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
+    """dist: train.distributed's view of the torchrun ranks (None: one process); rank 0 prints and logs."""
     from qarl_cli.train import report, setup, state
 
-    console = Console(markup=False, highlight=False)
-    run = setup.build(cfg, run_dir, log=console.print)
+    console = Console(markup=False, highlight=False, quiet=bool(dist and not dist.main))
+    run = setup.build(cfg, run_dir, log=console.print, dist=dist)
     with run, Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                        console=console, transient=True) as bar:
         task = bar.add_task("train", total=cfg.steps, completed=run.start_step)
@@ -51,7 +52,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> int:
                 bar.update(task, completed=done)
         except Exception as e:  # noqa: BLE001 - any stage: report it in one line, keep what the run learned
             raise _stopped(run, tracker, e) from e
-    report.final_table(console, history, run_dir)
+    if run.dist.main:
+        report.final_table(console, history, run_dir)
     return 0
 
 
@@ -108,7 +110,8 @@ def _stopped(run: Any, tracker: _Tracker, error: Exception) -> StageFailed:
     """Write the traceback and a final checkpoint; the one-line error that ends the run."""
     from qarl_cli.train import state
 
-    (run.run_dir / "error.log").write_text(traceback.format_exc())
+    log = run.run_dir / ("error.log" if run.dist.main else f"error.rank{run.dist.rank}.log")
+    log.write_text(traceback.format_exc())
     where = f"stage {tracker.current} failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
     try:
         if run.cfg.dry_run or tracker.trained == 0:
@@ -117,5 +120,5 @@ def _stopped(run: Any, tracker: _Tracker, error: Exception) -> StageFailed:
             saved = f"checkpoint {state.save(run.run_dir, tracker.trained, run.model, run.learner, run.source, {})}"
     except Exception as e:  # noqa: BLE001
         saved = f"the final checkpoint failed too ({type(e).__name__}: {e})"
-    return StageFailed(f"{where}; {saved}; traceback in {run.run_dir / 'error.log'}; resume with "
+    return StageFailed(f"{where}; {saved}; traceback in {log}; resume with "
                        f"resume={run.run_dir}")

@@ -46,18 +46,23 @@ def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
 
 
 def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source: Path, extra: dict) -> Path:
-    """Write checkpoint `step` atomically; returns its directory."""
+    """Write checkpoint `step` atomically; returns its directory. Distributed: every rank calls this (the full
+    weights and optimizer state are gathered on rank 0, which writes them)."""
     final = checkpoint_dir(run_dir, step)
+    weights = learner.dist.model_state(model)  # None in one process: the model holds them
+    optimizer = learner.dist.optimizer_state(model, learner.optimizer)
+    if not learner.dist.main:
+        return final
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp / "model")
+        model.save_pretrained(tmp / "model", **({} if weights is None else {"state_dict": weights}))
         for f in source.iterdir():  # tokenizer, chat template (not the source's weights or config)
             if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (tmp / "model" / f.name).exists() \
                     and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / "model" / f.name)
-        torch.save({"step": step, "optimizer": learner.optimizer.state_dict(),
+        torch.save({"step": step, "optimizer": optimizer, "world": learner.dist.world,
                     "scheduler": learner.scheduler.state_dict(), "skipped": learner.skipped,
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra},
                    tmp / "trainer.pt")
@@ -72,7 +77,10 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source:
 def load_trainer_state(ckpt: Path, learner: Any) -> dict:
     """Restore optimizer, schedule and RNG from `ckpt`; returns the saved dict (step, extra fields)."""
     state = torch.load(ckpt / "trainer.pt", weights_only=False)
-    learner.optimizer.load_state_dict(state["optimizer"])
+    if state.get("world", 1) != learner.dist.world:
+        raise ConfigError(f"resume={str(ckpt)!r}: written by {state.get('world', 1)} ranks, resumed on "
+                          f"{learner.dist.world}; resume with the same number of ranks")
+    learner.dist.load_optimizer_state(learner.model, learner.optimizer, state["optimizer"])
     learner.scheduler.load_state_dict(state["scheduler"])
     learner.skipped = state["skipped"]
     torch.set_rng_state(state["rng"]["torch"])
