@@ -328,3 +328,42 @@ def test_rank_shares_weighted_by_their_denominators_sum_to_the_whole_batch_loss(
     for parts in ([[0, 2, 4, 6], [1, 3, 5]], [[2], [0, 1, 3, 4, 5, 6]], [[0, 1], [2, 3], [4, 5, 6]]):
         total = sum(count(m[p]).item() / count(m).item() * AGGREGATIONS[agg](x[p], m[p]) for p in parts)
         assert total.item() == pytest.approx(whole.item(), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_entropy_coef_subtracts_the_aggregated_entropy_and_its_gradient(name):
+    """entropy_coef c: loss = the objective's loss - c * agg(H), for c < 0 (sharpening) and c > 0 (bonus); padded
+    positions of H (here NaN) never count. H's gradient is -c times the aggregation's weight of each position."""
+    cfg0 = dataclasses.replace(SCHEMAS[name](), loss_agg="token-mean")
+    lp = [[o + d for o, d in zip(*rows)] for rows in zip(SEQ_OLD, SEQ_DELTA)]
+    base, _, _ = run(cfg0, lp, SEQ_OLD, SEQ_OLD, SEQ_ADV, SEQ_MASK)
+    h_values = [[0.5, 1.0, float("nan")], [0.2, 0.3, 0.4], [1.5, 0.1, 0.0], [0.7, 0.9, float("nan")]]
+    n_tokens = sum(map(sum, SEQ_MASK))  # 10
+    mean_h = sum(h for row, m in zip(h_values, SEQ_MASK) for h, k in zip(row, m) if k) / n_tokens
+    for c in (-0.1, 0.05):
+        cfg = dataclasses.replace(cfg0, entropy_coef=c)
+        h = torch.tensor(h_values, dtype=F64, requires_grad=True)
+        batch = PolicyBatch(torch.tensor(lp, dtype=F64, requires_grad=True), torch.tensor(SEQ_OLD, dtype=F64),
+                            torch.tensor(SEQ_OLD, dtype=F64), torch.tensor(SEQ_ADV, dtype=F64),
+                            torch.tensor(SEQ_MASK, dtype=torch.bool), h)
+        loss, metrics = get_objective(name)(batch, cfg)
+        loss.backward()
+        close(loss.detach(), base - c * mean_h)
+        assert metrics["objective/entropy"] == pytest.approx(mean_h, rel=1e-12)
+        close(h.grad, [[-c / n_tokens * k for k in row] for row in SEQ_MASK])
+
+
+def test_next_token_entropy_is_the_categorical_entropy_of_each_position():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qarl_cli.logprobs import next_token_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    ids = torch.randint(0, 40, (3, 7))
+    attn = torch.ones_like(ids)
+    logp, h = next_token_logprobs(model, ids, attn, entropy=True)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    assert torch.allclose(h, expected, atol=1e-5) and torch.equal(logp, next_token_logprobs(model, ids, attn))

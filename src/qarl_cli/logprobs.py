@@ -8,11 +8,14 @@ from typing import Sequence
 import torch
 
 
-def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-                        ) -> torch.Tensor:
-    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (with grad if enabled)."""
+def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (with grad if enabled); with
+    entropy=True also the [B, L - 1] entropy of each next-token distribution (one more [B, L, vocab] pass)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    logp = torch.log_softmax(logits, -1)
+    picked = logp.gather(-1, input_ids[:, 1:, None])[..., 0]
+    return (picked, -(logp.exp() * logp).sum(-1)) if entropy else picked
 
 
 @torch.no_grad()

@@ -9,6 +9,7 @@ one with get_objective(cfg.name). Formulas, metric keys, numerics: docs/objectiv
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,6 +28,7 @@ class PolicyBatch:
     rollout_logprobs: Tensor  # [B, T] mu: the rollout engine's logprobs of the same tokens
     advantages: Tensor  # [B] one advantage per sequence
     mask: Tensor  # [B, T] bool or 0/1: True on response tokens
+    entropy: Optional[Tensor] = None  # [B, T] the policy's next-token entropy, with grad; given when entropy_coef != 0
 
     def __post_init__(self) -> None:
         shape = self.mask.shape
@@ -51,7 +53,8 @@ def _inputs(batch: PolicyBatch) -> PolicyBatch:
 
     lp = clean(batch.logprobs)
     return PolicyBatch(lp, clean(batch.old_logprobs).detach(), clean(batch.rollout_logprobs).detach(),
-                       batch.advantages.detach().to(lp.dtype), m)
+                       batch.advantages.detach().to(lp.dtype), m,
+                       None if batch.entropy is None else clean(batch.entropy))
 
 
 # Loss aggregation (config key loss_agg): per-token terms x [B, T] -> scalar. Denominators count response tokens
@@ -121,6 +124,11 @@ def _clipped_loss(log_ratio: Tensor, b: PolicyBatch, cfg: AlgorithmConfig) -> tu
     dropped = (log_w.abs() > log_cap) if cfg.drop_outside_band else torch.zeros_like(m)
     weight = log_w.clamp(max=log_cap).exp().masked_fill(dropped, 0.0)
     loss = -AGGREGATIONS[cfg.loss_agg](weight * surrogate, m)
+    entropy = None
+    if cfg.entropy_coef:
+        require(b.entropy is not None, "algorithm.entropy_coef", cfg.entropy_coef, "needs the batch's entropy")
+        entropy = AGGREGATIONS[cfg.loss_agg](b.entropy, m)
+        loss = loss - cfg.entropy_coef * entropy
 
     with torch.no_grad():
         below, above = ratio < low, ratio > high
@@ -134,6 +142,8 @@ def _clipped_loss(log_ratio: Tensor, b: PolicyBatch, cfg: AlgorithmConfig) -> tu
             "objective/mismatch_weight_mean": torch.where(kept, weight, 0.0).sum() / kept.sum().clamp(min=1),
             "objective/mismatch_weight_clipped_frac": _frac(log_w > log_cap, m),
         }
+        if entropy is not None:
+            metrics["objective/entropy"] = entropy.detach()
     return loss, {k: v.item() for k, v in metrics.items()}
 
 

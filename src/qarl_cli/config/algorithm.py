@@ -42,6 +42,9 @@ class AlgorithmConfig:
     loss_agg: str = "seq-mean-token-mean"  # one of LOSS_AGGS
     adv_std_normalize: bool = True  # advantages (r - group mean) / (group std + 1e-6); False: r - group mean
     drop_no_signal_groups: bool = True  # leave out of the update the groups whose rewards are all equal (A = 0)
+    # loss -= entropy_coef * H, H the policy's next-token entropy aggregated like the loss: > 0 is an exploration
+    # bonus, < 0 sharpens the policy (KL-free sharpening: it moves sampled accuracy toward greedy accuracy).
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         # Keys are relative to the group: the registry's validate() prefixes "algorithm.".
