@@ -1,8 +1,8 @@
 """Schemas of the three primary configs (`train`, `quantize`, `eval`): the settings that are not a stage.
 Group nodes are typed by their own schemas (see `qarl_cli.config.GROUPS`); here they are only slots."""
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
 
 from omegaconf import MISSING
 
@@ -48,10 +48,17 @@ class TrainConfig(_Common, _Sampling):
     # in proportion to its gradient; muon: Muon for the hidden matrices, AdamW for the rest (the paper's).
     optimizer: str = "adamw"
     lr: float = 1e-4
+    # AdamW's (beta1, beta2) (muon: of its AdamW part); beta1 also sets SGD's momentum. A larger beta1 averages the
+    # policy gradient over more steps: less of the sampling noise that moves every weight.
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.99])
     lr_schedule: str = "cosine"
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # CPU threads for the trainer's forward and backward; 0: every core this process may run on. vLLM's CPU engine
+    # sets torch to one thread for serving, which would leave the trainer on one core too; it gets its one back
+    # after each update.
+    train_threads: int = 0
     eval_every: int = 100  # evaluate on the test split every N steps (and at the start and the end); 0 = never
     eval_samples: int = 4  # k of avg@k at the rollout temperature (greedy accuracy is measured as well)
     checkpoint_every: int = 100  # 0 = only at the end
@@ -72,6 +79,9 @@ class TrainConfig(_Common, _Sampling):
         for key in ("steps", "prompts_per_step", "samples_per_prompt", "minibatches", "epochs_per_step"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
         require(self.lr > 0, "lr", self.lr, "must be > 0")
+        require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", list(self.betas),
+                "must be two values in [0, 1): [beta1, beta2]")
+        require(self.train_threads >= 0, "train_threads", self.train_threads, "must be >= 0 (0: every core)")
         require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                 f"must be one of {', '.join(LR_SCHEDULES)}")

@@ -10,7 +10,9 @@ where they differ from one process (which rows, the loss weight, the sums over r
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -21,9 +23,9 @@ from qarl_cli.train.distributed import Single, chunks_per_rank
 from qarl_cli.train.sequences import Sequences
 
 
-def token_logprobs(model: nn.Module, seqs: Sequences) -> Tensor:
-    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32."""
-    return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask)
+def token_logprobs(model: nn.Module, seqs: Sequences, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (and the entropies, on request)."""
+    return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask, entropy)
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
@@ -38,6 +40,19 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     return factor
 
 
+@contextmanager
+def threads(n: int) -> Iterator[None]:
+    """torch's intra-op threads set to `n` (0: every core this process may run on) for the block, then back.
+    torch._C's setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process."""
+    before = torch.get_num_threads()
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    torch._C.set_num_threads(n or cores)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
+
+
 class Learner:
     def __init__(self, model: nn.Module, cfg: Any, objective: Callable, device: torch.device,
                  dist: Single = Single()) -> None:
@@ -47,11 +62,12 @@ class Learner:
         if cfg.optimizer == "muon":
             from qarl_cli.optim import MuonAdamW
 
-            self.optimizer = MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr_ratio=0.2)
+            self.optimizer = MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr_ratio=0.2,
+                                       betas=tuple(cfg.betas))
         elif cfg.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay)
+            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.betas[0], weight_decay=cfg.weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
         self.skipped = 0
@@ -62,6 +78,10 @@ class Learner:
     @torch.no_grad()
     def old_logprobs(self, seqs: Sequences, chunk: int = 256) -> Tensor:
         """pi_old: the aligned forward at the weights that sampled the batch (no grad)."""
+        with threads(self.cfg.train_threads):
+            return self._old_logprobs(seqs, chunk)
+
+    def _old_logprobs(self, seqs: Sequences, chunk: int) -> Tensor:
         self.model.eval()
         out = torch.zeros_like(seqs.rollout_logprobs)
         mine, real = self.dist.share(torch.arange(len(seqs)))
@@ -84,6 +104,11 @@ class Learner:
                seed: int) -> tuple[dict[str, float], Tensor]:
         """Epochs x minibatches over the batch (shuffled with `seed`); one optimizer step per minibatch.
         `old`: pi_old of the batch, or None when not needs_old_pass. Returns the metrics and pi_old."""
+        with threads(self.cfg.train_threads):
+            return self._update(seqs, old, advantages, algo_cfg, seed)
+
+    def _update(self, seqs: Sequences, old: Tensor | None, advantages: Tensor, algo_cfg: Any,
+                seed: int) -> tuple[dict[str, float], Tensor]:
         self.model.train()
         lr = self.scheduler.get_last_lr()[0]
         gen = torch.Generator().manual_seed(seed)
@@ -99,11 +124,12 @@ class Learner:
                 mine, real = self.dist.share(rows)
                 part = seqs.select(mine).to(self.device)
                 width = part.mask.shape[1]
-                logprobs = token_logprobs(self.model, part)
+                logprobs, entropy = token_logprobs(self.model, part, True) if algo_cfg.entropy_coef \
+                    else (token_logprobs(self.model, part), None)
                 if on_policy and real:
                     old[mine, :width] = logprobs.detach().cpu()
                 batch = PolicyBatch(logprobs, old[mine, :width].to(self.device), part.rollout_logprobs,
-                                    advantages[mine].to(self.device), part.mask)
+                                    advantages[mine].to(self.device), part.mask, entropy)
                 loss, metrics = self.objective(batch, algo_cfg)
                 # This rank's weight in the minibatch's loss (1 in one process); x world: FSDP averages gradients.
                 share = count(part.mask).item() / max(count(seqs.mask[rows]).item(), 1) if real else 0.0
