@@ -37,7 +37,8 @@ def trainer_logprobs(model, seqs, chunk: int = 128):
     return out
 
 
-def measure(src, quant: str, kind: str, prompts: int, samples: int, seed: int) -> dict:
+def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
+    """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -47,6 +48,8 @@ def measure(src, quant: str, kind: str, prompts: int, samples: int, seed: int) -
     from qarl_cli.quant.aligned import align
     from qarl_cli.train.sequences import pack
 
+    quant, _, kernel = spec.partition(":")
+    kind = "vllm" if vllm_serves(quant) else "torch"
     ids = arith_prompts(src, prompts)
     served = engine(kind, src, quant)
     try:
@@ -56,18 +59,21 @@ def measure(src, quant: str, kind: str, prompts: int, samples: int, seed: int) -
     tok = AutoTokenizer.from_pretrained(str(src))
     seqs = pack(ids, batch, tok.pad_token_id if tok.pad_token_id is not None else 0)
     dtype = getattr(torch, dtype_name())
-    row = {"scheme": quant, "engine": "vllm" if kind == "vllm" else "torch (embedded)",
+    row = {"scheme": quant, "aligned kernel": kernel or "fake",
+           "engine": "vllm" if kind == "vllm" else "torch (embedded)",
            "tokens": int(seqs.mask.sum())}
     for forward in ("bf16", "aligned"):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         if forward == "aligned":
-            model = align(model, build_scheme(SCHEMAS[quant](), device()))
+            qcfg = SCHEMAS[quant](kernel=kernel) if kernel else SCHEMAS[quant]()
+            model = align(model, build_scheme(qcfg, device()))
         m = mismatch_metrics(trainer_logprobs(model, seqs), seqs.rollout_logprobs, seqs.mask)
         for k in KEYS:
             row[f"{forward} {k}"] = float(f"{m[f'mismatch/{k}']:.3g}")
     aligned = row["aligned k3_kl"]
-    row["k3_kl ratio"] = float(f"{row['bf16 k3_kl'] / aligned:.3g}") if aligned > 0 else float("inf")
-    row["target met (>= 10x)"] = row["k3_kl ratio"] >= 10
+    ratio = row["bf16 k3_kl"] / aligned if aligned > 0 else float("inf")
+    row["k3_kl ratio"] = f"{ratio:.3g}"
+    row["target met (>= 10x)"] = ratio >= 10
     print(row, flush=True)
     return row
 
@@ -78,14 +84,13 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--schemes", default="int8,fp8_block,w4a16")
+    ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
     args = ap.parse_args()
     from qarl_cli.config.model import TinyModelConfig
     from qarl_cli.models.tiny import ensure_tiny_model
 
     src = ensure_tiny_model(TinyModelConfig(), log=print)
-    rows = [measure(src, q, "vllm" if vllm_serves(q) else "torch", args.prompts, args.samples, args.seed)
-            for q in args.schemes.split(",")]
+    rows = [measure(src, spec, args.prompts, args.samples, args.seed) for spec in args.schemes.split(",")]
     print(f"\nmismatch on the same rollouts ({args.prompts} prompts x {args.samples} samples, "
           f"device {device()}): trainer forward bf16 vs aligned, against the engine's logprobs\n")
     print(markdown(rows))

