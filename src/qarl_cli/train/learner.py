@@ -10,7 +10,6 @@ where they differ from one process (which rows, the loss weight, the sums over r
 from __future__ import annotations
 
 import math
-import os
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -42,11 +41,13 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
 
 @contextmanager
 def threads(n: int) -> Iterator[None]:
-    """torch's intra-op threads set to `n` (0: every core this process may run on) for the block, then back.
-    torch._C's setter: vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process."""
+    """torch's intra-op threads set to `n` for the block, then back (0: left as they are). torch._C's setter:
+    vLLM's CPU worker replaces torch.set_num_threads with a no-op for the whole process."""
+    if n <= 0:
+        yield
+        return
     before = torch.get_num_threads()
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    torch._C.set_num_threads(n or cores)
+    torch._C.set_num_threads(n)
     try:
         yield
     finally:
