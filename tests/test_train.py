@@ -182,13 +182,16 @@ def _max_diff(a, b):
 
 
 @pytest.mark.slow
-def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_path):
+@pytest.mark.parametrize("optimizer", ["muon", "adamw"])
+def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_path, optimizer):
     """torchrun, 2 gloo ranks, FSDP2 (int8 aligned forward, the embedded engine on rank 0): the weights after
     2 steps equal a one-process run's up to float summation order (each rank backpropagates half of every
-    minibatch; the reduced gradient is the whole minibatch's), and so does a 2-rank run resumed from the 2-rank
-    step-1 checkpoint (the sharded optimizer state is gathered into it and scattered back)."""
+    minibatch; the reduced gradient is the whole minibatch's; Muon orthogonalizes the gathered whole matrix), and
+    so does a 2-rank run resumed from the 2-rank step-1 checkpoint (the sharded optimizer state is gathered into it
+    and scattered back)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
-    args = [*SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=1"]
+    args = [*SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=1", f"optimizer={optimizer}",
+            f"lr={2e-3 if optimizer == 'muon' else 1e-4}"]
 
     def run(cmd, run_dir, *extra):
         out = subprocess.run([*cmd, *args, f"hydra.run.dir={run_dir}", *extra], capture_output=True, text=True,
@@ -203,10 +206,10 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
     run(launch, resumed, f"resume={two / 'checkpoints' / 'step_000001'}")
     ckpt = lambda run_dir, step: run_dir / "checkpoints" / f"step_{step:06d}"  # noqa: E731
     moved = _max_diff(_weights(ckpt(one, 1)), _weights(ckpt(one, 2)))
-    assert moved > 1e-5  # the second step changed the weights (lr 1e-4, AdamW)
+    assert moved > 1e-5  # the second step changed the weights
     diffs = [_max_diff(_weights(ckpt(one, step)), _weights(ckpt(two, step))) for step in (1, 2)]
     resumed_diff = _max_diff(_weights(ckpt(two, 2)), _weights(ckpt(resumed, 2)))
-    print(f"FSDP: max |w(2 ranks) - w(1 process)| {diffs[0]:.2e} (step 1), {diffs[1]:.2e} (step 2); resumed "
+    print(f"FSDP ({optimizer}): max |w(2 ranks) - w(1 process)| {diffs[0]:.2e} (step 1), {diffs[1]:.2e} (step 2); resumed "
           f"2-rank run vs uninterrupted: {resumed_diff:.2e}; step 2 moved weights by up to {moved:.2e}")
     assert max(diffs) < 1e-6 and resumed_diff < 1e-6
     m1, m2 = _metrics(one), _metrics(two)

@@ -61,6 +61,17 @@ def muon_with_adamw(model: torch.nn.Module, lr: float, weight_decay: float = 0.0
             torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay)]
 
 
+def _orthogonalize_whole(g: torch.Tensor) -> torch.Tensor:
+    """orthogonalize() of the whole matrix. Under FSDP2 `g` is a DTensor holding this rank's rows only, and the
+    orthogonalization of a row block is not a row block of the orthogonalization: every rank gathers the matrix,
+    orthogonalizes it (the same result everywhere) and keeps its own shard of the update."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(g, DTensor):
+        return orthogonalize(g)
+    return distribute_tensor(orthogonalize(g.full_tensor()), g.device_mesh, g.placements)
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the hidden matrices and AdamW for the rest as one optimizer (one state dict, one schedule, one
     step hook): what the QaRL paper trains with. Muon's update has a fixed size per matrix whatever the gradient's
@@ -90,7 +101,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 if group["muon"]:
                     buf = state.setdefault("momentum", torch.zeros_like(p))
                     buf.mul_(group["momentum"]).add_(p.grad)
-                    update = orthogonalize(p.grad.add(buf, alpha=group["momentum"]))
+                    update = _orthogonalize_whole(p.grad.add(buf, alpha=group["momentum"]))
                     p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
                     continue
                 b1, b2 = group["betas"]

@@ -1,5 +1,6 @@
 """Supervised warm start of a tiny model on generated arithmetic: teaches the answer format (\\boxed{N}) and
-some arithmetic, and stops early on purpose, so that RL starts from a model that is right only sometimes."""
+some arithmetic, and stops early on purpose, so that RL starts from a model that is right only sometimes and still
+learning (by default its learning rate is not annealed: see TinyModelConfig.warm_start_final_lr)."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
     stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 1, 2, 3])
     opts = muon_with_adamw(model, cfg.warm_start_lr)  # AdamW alone needs ~10x the steps here
     warmup = max(1, cfg.warm_start_steps // 20)
+    floor = cfg.warm_start_final_lr
     scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
-        0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.warm_start_steps))))) for opt in opts]
+        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.warm_start_steps))))) for opt in opts]
     model.train()
     start, loss = time.time(), float("nan")
     with Progress(transient=True) as progress:

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from qarl_cli.config.errors import ConfigError, UserError
+from qarl_cli.config.errors import UserError
 from qarl_cli.config.root import TrainConfig
 
 
@@ -63,9 +63,6 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     from qarl_cli.train.state import find_resume, load_trainer_state
 
     dist = dist or Single()
-    if dist.world > 1 and cfg.optimizer == "muon":
-        raise ConfigError(f"optimizer=muon: Muon orthogonalises whole matrices, which FSDP shards over the "
-                          f"{dist.world} ranks; use optimizer=adamw or sgd under torchrun")
     torch.manual_seed(cfg.seed)
     device = torch.device(resolve_device(cfg.device))
     source = model_dir(cfg.model, log=log)
