@@ -58,7 +58,7 @@ def one_run(run_dir: Path, overrides: list[str], args) -> dict:
     if not (run_dir / "summary.json").is_file():
         cmd = [sys.executable, "-m", "qarl_cli.cli", "train", f"hydra.run.dir={run_dir}", f"steps={args.steps}",
                f"eval_every={args.steps}", "checkpoint_every=0", f"prompts_per_step={args.prompts}",
-               f"samples_per_prompt={args.samples}", f"lr={args.lr}", *overrides]
+               f"samples_per_prompt={args.samples}", *([f"lr={args.lr}"] if args.lr else []), *overrides]
         run_dir.mkdir(parents=True, exist_ok=True)
         with (run_dir / "stdout.log").open("w") as log:
             done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--lr", type=float, default=None, help="default: qarl train's (the schema's)")
     ap.add_argument("--schemes", default="int8,w4a16")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/tiny"))
@@ -168,8 +168,11 @@ def main() -> None:
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(results, rows, k, args.out_dir / "results.png")
+    from qarl_cli.config.root import TrainConfig
+
+    optimizer = f"{TrainConfig.optimizer} lr {args.lr or TrainConfig.lr}"
     scale = (f"{args.seeds} seeds x {len(plan) // args.seeds} settings, {args.steps} steps of {args.prompts} "
-             f"prompts x {args.samples} samples, lr {args.lr}, test split of the embedded default (500 problems, "
+             f"prompts x {args.samples} samples, {optimizer}, test split of the embedded default (500 problems, "
              f"avg@{k} at temperature 1 and greedy); {minutes:.0f} minutes on this machine")
     text = ("# The comparison in miniature (tiny model, arithmetic)\n\n"
             "Produced by `scripts/reproduce_tiny.py`; numbers as measured, whichever way they came out.\n\n"
