@@ -1,8 +1,8 @@
 """How far can training move the embedded default's starting model within `make train`'s budget?
 
 Continues the warm start's own supervised loss (gold answers of the arith training stream) from the built tiny
-model for --steps steps of --batch problems (warmup 10 steps, then cosine to 0, gradient clip 1, the schedule of
-`qarl train`), and measures the 500-problem test split before, halfway and at the end: greedy accuracy and avg@4 at
+model for --steps steps of --batch problems with `qarl train`'s optimizers and schedule (warmup, then cosine to
+10 %; gradient clip 1), and measures the 500-problem test split before, halfway and at the end: greedy accuracy and avg@4 at
 temperature 1 (Hugging Face sampling of the fp32 model). Supervised training on the right answers is an upper
 reference for RL, which learns from its own samples and a 0/1 reward: if this cannot gain 10 points of avg@4 from a
 starting model in 180 steps, RL will not either. --final-lr picks the starting models: the warm start's lr at its
@@ -16,58 +16,41 @@ Prints a markdown table and writes JSON."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
 from _bench import markdown, table
 
 
-def avg_at_k(model, tok, problems, k: int = 4, seed: int = 0) -> float:
+def measure(model, tok, problems) -> dict:
     import torch
 
-    from qarl_cli.models.hf_eval import prompt_ids, user_messages
-    from qarl_cli.reward.boxed import last_boxed
+    from qarl_cli.models.hf_eval import greedy_accuracy, sampled_accuracy
 
-    model.eval()
-    torch.manual_seed(seed)
-    hits = []
-    for lo in range(0, len(problems), 250):
-        part = problems[lo:lo + 250]
-        batch = tok.pad({"input_ids": prompt_ids(tok, user_messages(part))}, padding=True, return_tensors="pt")
-        with torch.no_grad():
-            out = model.generate(**batch, max_new_tokens=12, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                 num_return_sequences=k, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-        for i, text in enumerate(texts):
-            answer = last_boxed(text)
-            hits.append(answer is not None and answer.strip() == part[i // k].answer)
-    return sum(hits) / len(hits)
-
-
-def measure(model, tok, problems) -> dict:
-    from qarl_cli.models.hf_eval import greedy_accuracy
-
-    return {"greedy": greedy_accuracy(model, tok, problems)["accuracy"], "avg@4": avg_at_k(model, tok, problems)}
+    torch.manual_seed(0)
+    return {"greedy": greedy_accuracy(model, tok, problems)["accuracy"],
+            "avg@4": sampled_accuracy(model, tok, problems, k=4)}
 
 
 def continue_supervised(src: Path, optimizer: str, lr: float, steps: int, batch: int, progress) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qarl_cli.config.root import TrainConfig
     from qarl_cli.data import arith
     from qarl_cli.models.warm_start import _batch
-    from qarl_cli.optim import MuonAdamW
+    from qarl_cli.optim import build_optimizer
+    from qarl_cli.train.learner import lr_lambda
 
     tok = AutoTokenizer.from_pretrained(str(src))
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     test = arith.test_split(500, [1, 2, 3])
-    # The optimizers of `qarl train` (Muon's AdamW part at lr / 5, as there).
-    opt = (MuonAdamW(model, lr=lr, adamw_lr_ratio=0.2, betas=(0.9, 0.99)) if optimizer == "muon"
-           else torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99)))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
+    # qarl train's optimizer and schedule, with its default betas, weight decay and warmup
+    betas = next(f for f in dataclasses.fields(TrainConfig) if f.name == "betas").default_factory()
+    opt = build_optimizer(model, optimizer, lr, tuple(betas), TrainConfig.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(TrainConfig.warmup_steps, steps, "cosine"))
     stream = arith.train_stream(seed=0, levels=[1, 2, 3])
     points = [{"step": 0, **measure(model, tok, test)}]
     task = progress.add_task(f"{src.name} {optimizer} {lr:g}", total=steps)

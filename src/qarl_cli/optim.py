@@ -112,3 +112,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
                 denom = (v / (1 - b2 ** state["step"])).sqrt_().add_(group["eps"])
                 p.addcdiv_(m, denom, value=-lr / (1 - b1 ** state["step"]))
+
+
+def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[float, float],
+                    weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer of `qarl train` (config `optimizer`): adamw, sgd (momentum betas[0]) or muon (MuonAdamW, its
+    AdamW part at lr / 5: Muon's update entries have an RMS of 0.2 lr)."""
+    if name == "muon":
+        return MuonAdamW(model, lr=lr, weight_decay=weight_decay, adamw_lr_ratio=0.2, betas=tuple(betas))
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=betas[0], weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)

@@ -62,7 +62,7 @@ class TinyModelConfig(ModelConfig):
     warm_start_lr: float = 6e-3  # Muon for the hidden matrices, AdamW for the rest (qarl_cli.optim)
     # Where the warm start's cosine ends, as a fraction of warm_start_lr; 1.0 keeps the lr constant after warmup.
     # Not annealed on purpose: an annealed warm start (0.1) starts a few points higher, but then even supervised
-    # training on gold answers gains only 3-5 points of avg@4 in 180 steps of 64, and RL as much; left at its full
+    # training on gold answers gains only 5-7 points of avg@4 in 180 steps of 64, and RL as much; left at its full
     # lr, the model is still mid-descent and 180 RL steps gain 14 (measured: docs/learning.md).
     warm_start_final_lr: float = 1.0
     build_seed: int = 1234  # seed of init and warm start; part of the cache key

@@ -59,16 +59,9 @@ class Learner:
                  dist: Single = Single()) -> None:
         """`model`: already sharded where distributed (the optimizer is built over its parameters as they are)."""
         self.model, self.cfg, self.objective, self.device, self.dist = model, cfg, objective, device, dist
-        params = [p for p in model.parameters() if p.requires_grad]
-        if cfg.optimizer == "muon":
-            from qarl_cli.optim import MuonAdamW
+        from qarl_cli.optim import build_optimizer
 
-            self.optimizer = MuonAdamW(model, lr=cfg.lr, weight_decay=cfg.weight_decay, adamw_lr_ratio=0.2,
-                                       betas=tuple(cfg.betas))
-        elif cfg.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.betas[0], weight_decay=cfg.weight_decay)
-        else:
-            self.optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self.optimizer = build_optimizer(model, cfg.optimizer, cfg.lr, tuple(cfg.betas), cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
         self.skipped = 0
