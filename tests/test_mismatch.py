@@ -1,4 +1,4 @@
-"""mismatch_metrics against numbers worked out by hand (DESIGN.md, "Metrics that every step logs")."""
+"""mismatch_metrics against numbers worked out by hand (docs/design.md, "Metrics that every step logs")."""
 
 import math
 

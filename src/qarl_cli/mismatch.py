@@ -2,7 +2,7 @@
 theta_old (pi_old, `old_logprobs`) on the same sampled tokens. Also the masked reductions the objectives share.
 
 All functions take right-padded [B, T] tensors and a mask that is True (or 1) on response tokens; values at padded
-positions are ignored, whatever they hold. Definitions: DESIGN.md "Metrics that every step logs", docs/objectives.md.
+positions are ignored, whatever they hold. Definitions: docs/design.md "Metrics that every step logs", docs/objectives.md.
 """
 
 import math

@@ -21,7 +21,7 @@ from qarl_cli.mismatch import LOG_RATIO_CLAMP, row_mean, sequence_log_ratio, seq
 
 @dataclass(frozen=True)
 class PolicyBatch:
-    """One minibatch, names as in DESIGN.md. Values at padded positions are ignored, whatever they hold."""
+    """One minibatch, names as in docs/design.md. Values at padded positions are ignored, whatever they hold."""
 
     logprobs: Tensor  # [B, T] pi_theta of the sampled tokens, with grad (aligned trainer forward)
     old_logprobs: Tensor  # [B, T] pi_old: aligned trainer at theta_old, no grad

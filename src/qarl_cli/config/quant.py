@@ -1,5 +1,5 @@
 """Schema of the `quant` group: the low-bit scheme of the rollout engine and of the aligned forward.
-The numerics of each scheme are in DESIGN.md ("Quantization schemes")."""
+The numerics of each scheme are in docs/design.md ("Quantization schemes")."""
 
 from dataclasses import dataclass, field
 from typing import List, Optional

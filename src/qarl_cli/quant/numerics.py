@@ -1,4 +1,4 @@
-"""Rounding and scale rules shared by the schemes' pure-torch references (DESIGN.md, "Quantization schemes").
+"""Rounding and scale rules shared by the schemes' pure-torch references (docs/design.md, "Quantization schemes").
 
 Every rounding is round-to-nearest-even: `torch.round` for integers, torch's cast for float8_e4m3fn (both RTNE).
 Divisions by a constant go through `div_rn`: on CUDA, torch divides by a Python scalar as a multiplication by its

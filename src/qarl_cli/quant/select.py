@@ -1,4 +1,4 @@
-"""Which weights a scheme quantizes (DESIGN.md): every nn.Linear and every fused MoE expert matrix, except the
+"""Which weights a scheme quantizes (docs/design.md): every nn.Linear and every fused MoE expert matrix, except the
 layers whose names fully match one of `quant.ignore`'s regular expressions (by default lm_head and the MoE router
 `mlp.gate`). Embeddings and norms are never quantized; the Qwen3-MoE router is not an nn.Linear in transformers 5
 and is kept in any case.

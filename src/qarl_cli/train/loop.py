@@ -1,4 +1,4 @@
-"""The RL loop of DESIGN.md ("One training step"). It only calls stages:
+"""The RL loop of docs/design.md ("One training step"). It only calls stages:
 
     rollout -> reward -> advantages -> aligned forward at theta_old -> minibatch updates -> sync
 
