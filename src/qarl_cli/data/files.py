@@ -69,9 +69,12 @@ def detect_layout(record: dict[str, Any]) -> str:
                     "problem+solution/answer (math, aime, openr1), prompt+reward_model (dapo)")
 
 
-def load_problems(path: str, layout: str = "auto", source: str = "") -> list[Problem]:
+def load_problems(path: str, layout: str = "auto", source: str = "", skipped: list[str] | None = None
+                  ) -> list[Problem]:
     """All problems of a .jsonl (.ndjson) or .parquet file. `layout` is "auto" (detected from the first record)
-    or one of LAYOUTS; `source` names the problems for per-source metrics (default: the file's stem)."""
+    or one of LAYOUTS; `source` names the problems for per-source metrics (default: the file's stem). `skipped`:
+    a list to collect ("line N: why") the records whose fields give no problem, which are then left out instead
+    of failing the file (the packaged datasets: data/packaged.py)."""
     if layout != "auto" and layout not in LAYOUTS:
         raise DataError(f"{path}: layout {layout!r} is unknown; expected auto or one of {', '.join(LAYOUTS)}")
     if not Path(path).is_file():
@@ -85,8 +88,12 @@ def load_problems(path: str, layout: str = "auto", source: str = "") -> list[Pro
             name = name or detect_layout(record)
             prompt, answer, level = _EXTRACT[name](record)
         except (_FieldError, DataError) as e:
+            if skipped is not None and isinstance(e, _FieldError):
+                skipped.append(f"{where}: {e}")
+                continue
             raise DataError(f"{path}, {where}: {e}" + (f" (layout {name})" if name else "")) from None
-        problems.append(Problem(prompt=prompt, answer=answer, source=source, level=level))
+        problems.append(Problem(prompt=prompt, answer=answer, source=source, level=level,
+                                origin=f"{path}, {where}"))
     if not problems:
         raise DataError(f"{path}: no records")
     return problems
@@ -96,8 +103,9 @@ def _records(path: str) -> Iterator[tuple[str, dict]]:
     """(position, record) pairs: "line N" for jsonl, "row N" for parquet, both counted from 1."""
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".ndjson"):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f, start=1):
+        with open(path, "rb") as f:  # decoded line by line, so that a bad byte is reported with its line
+            for i, raw in enumerate(f, start=1):
+                line = _decode(raw, path, i)
                 if not line.strip():
                     continue
                 try:
@@ -119,6 +127,18 @@ def _records(path: str) -> Iterator[tuple[str, dict]]:
             yield f"row {i}", record
     else:
         raise DataError(f"{path}: unsupported file type {suffix!r}; expected .jsonl, .ndjson or .parquet")
+
+
+def _decode(raw: bytes, path: str, i: int) -> str:
+    """Line `i` of a jsonl file as text (UTF-8; a byte-order mark at the start of the file is skipped)."""
+    if i == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        column = len(raw[:e.start].decode("utf-8")) + 1  # in characters, as json reports its columns
+        raise DataError(f"{path}, line {i}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {column}); "
+                        "jsonl files must be UTF-8: convert it (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 # ------------------------------------------------------------------------------------------------ fields
@@ -179,10 +199,18 @@ def _math(r: dict) -> tuple[str, str, int]:
         return prompt, _scalar(r["answer"], "answer"), _level(r.get("level"))
     if r.get("solution") is None:
         raise _FieldError("answer", "missing, and no 'solution' to take the \\boxed{} answer from")
-    boxed = last_boxed(_text(r["solution"], "solution"))
+    solution = _text(r["solution"], "solution")
+    boxed = last_boxed(solution) or _bare_boxed(solution)
     if not boxed or not boxed.strip():
         raise _FieldError("solution", "no \\boxed{...} answer in it")
     return prompt, boxed.strip(), _level(r.get("level"))
+
+
+def _bare_boxed(text: str) -> str | None:
+    """`\\boxed 2`: without braces LaTeX boxes the next character (two solutions of MATH's train split say so)."""
+    at = text.rfind("\\boxed ")
+    rest = text[at + len("\\boxed "):].lstrip() if at >= 0 else ""
+    return rest[0] if rest and rest[0] not in "{}$\\" else None
 
 
 def _aime(r: dict) -> tuple[str, str, int]:

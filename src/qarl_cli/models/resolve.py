@@ -1,4 +1,5 @@
-"""From the `model` config to a checkpoint directory on disk."""
+"""From the `model` config to a checkpoint directory on disk: model.path when set (any option), else the
+option's implementation (`impl` of its schema) builds or fetches it."""
 
 from __future__ import annotations
 
@@ -7,19 +8,45 @@ from pathlib import Path
 from typing import Callable
 
 from qarl_cli.config.errors import ConfigError
-from qarl_cli.config.model import ModelConfig, TinyModelConfig
+from qarl_cli.config.model import ModelConfig
+
+
+# The marker every built model writes (models/tiny.py, models/smollm2.py) and checkpoints trained from it carry.
+BUILD_MARKER = "qarl_build.json"
+LOCAL = "qarl_cli.models.resolve:local_checkpoint"  # the impl of options that take any checkpoint (model=hf)
 
 
 def model_dir(cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
-    """model.path when set (checked to be a Hugging Face checkpoint), else the built-in tiny model, built on
-    first use."""
+    """The Hugging Face checkpoint directory the run starts from."""
     if cfg.path:
-        path = Path(os.path.expanduser(cfg.path))
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path={cfg.path!r}: not a Hugging Face checkpoint directory (no config.json)")
+        path = local_checkpoint(cfg, log)
+        if getattr(type(cfg), "impl", LOCAL) != LOCAL:  # an option that builds its own model
+            check_built_by(cfg, path)
         return path
-    if isinstance(cfg, TinyModelConfig):
-        from qarl_cli.models.tiny import ensure_tiny_model
+    from qarl_cli.stages import resolve
 
-        return ensure_tiny_model(cfg, log)
-    raise ConfigError(f"model={cfg.name} needs model.path=DIR")
+    return resolve("model", cfg.name)(cfg, log)
+
+
+def local_checkpoint(cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
+    """model.path, checked to be a Hugging Face checkpoint directory."""
+    path = Path(os.path.expanduser(str(cfg.path)))
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.path!r}: not a Hugging Face checkpoint directory (no config.json)")
+    return path
+
+
+def check_built_by(cfg: ModelConfig, path: Path) -> None:
+    """A model.path given to an option that builds its model (tiny_arith, smollm2_135m, ...) must be that option's
+    model or a checkpoint trained from it (its BUILD_MARKER names the option): the option's settings, dtype first
+    (float32 for the tiny models), are those of its own model. Any other checkpoint is model=hf's."""
+    import json
+
+    try:
+        built = json.loads((path / BUILD_MARKER).read_text()).get("name")
+    except (OSError, ValueError, AttributeError):
+        built = None
+    if built != cfg.name:
+        what = f"its {BUILD_MARKER} names {built}" if built else f"it has no {BUILD_MARKER}"
+        raise ConfigError(f"model={cfg.name}: model.path={cfg.path!r} is not a {cfg.name} checkpoint ({what}); for "
+                          f"any other checkpoint use model=hf model.path={cfg.path}")
