@@ -1,4 +1,5 @@
-"""Every YAML under conf/ composes, and bad input fails at compose time with one line naming the key."""
+"""Every group option and every YAML under conf/ composes, and bad input fails at compose time with one line naming
+the key."""
 
 from pathlib import Path
 
@@ -15,16 +16,16 @@ CONF = conf_dir()
 
 
 def _variants():
-    """(command, overrides) covering every YAML file under conf/, each with a command that uses its group."""
+    """(command, overrides, source) covering every group option (its schema) and every YAML file under conf/, each
+    with a command that uses its group."""
     seen = set()
     for command in ROOTS:
         yield command, [], CONF / f"{command}.yaml"
         for group in command_groups(command):
             for option in options(group):
-                path = CONF / group / f"{option}.yaml"
-                if path not in seen:
-                    seen.add(path)
-                    yield command, [f"{group}={option}"], path
+                if (group, option) not in seen:
+                    seen.add((group, option))
+                    yield command, [f"{group}={option}"], f"{group}/{option}"
     for option in options("experiment"):
         yield "train", [f"+experiment={option}"], CONF / "experiment" / f"{option}.yaml"
 
@@ -43,7 +44,7 @@ def hydra_ctx():
 
 def test_every_yaml_under_conf_is_covered():
     every = {p.resolve() for p in Path(CONF).rglob("*.yaml")}
-    covered = {path.resolve() for _, _, path in VARIANTS}
+    covered = {path.resolve() for _, _, path in VARIANTS if isinstance(path, Path)}
     assert every == covered, f"YAML files no test composes: {sorted(map(str, every - covered))}"
 
 
@@ -62,21 +63,30 @@ def test_composes_and_validates(hydra_ctx, command, overrides, path):
     for override in overrides:
         group, _, option = override.lstrip("+").partition("=")
         if group in GROUPS:
-            assert cfg[group].name == option  # the option file includes the schema of the same name
+            assert cfg[group].name == option  # the option is the schema of the same name
 
 
 def test_group_options_match_their_schemas():
     for group, schemas in GROUPS.items():
         assert options(group) == sorted(schemas), group
+        for option, schema in schemas.items():
+            assert schema.name == option, (group, option)  # the name a run records is the name a user types
+            assert ":" in schema.impl and schema.__doc__, (group, option)  # an implementation and a description
+
+
+def test_every_option_resolves_to_its_implementation():
+    """Each schema's impl imports (the registry names no missing module or attribute)."""
+    from qarl_cli.stages import resolve
+
+    for group, schemas in GROUPS.items():
+        for option in schemas:
+            assert callable(resolve(group, option)), (group, option)
 
 
 def test_defaults_live_in_the_schema(hydra_ctx):
-    """Option files only include their schema: every value of a composed option equals the schema default."""
-    for group, schemas in GROUPS.items():
-        for option, schema in schemas.items():
-            text = (CONF / group / f"{option}.yaml").read_text()
-            body = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith(("#", "-"))]
-            assert body == ["defaults:"], f"{group}/{option}.yaml sets values: {body}"
+    """No YAML option file repeats a schema: group options are the schemas themselves; YAML is for presets."""
+    for group in GROUPS:
+        assert not list((CONF / group).glob("*.yaml")), group
 
 
 def test_experiment_sets_the_paper_setting(hydra_ctx):
@@ -98,6 +108,7 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["rollout=vllm", "rollout.gpu_memory_utilization=2"], ["rollout.gpu_memory_utilization"]),
     (["betas=[0.9]"], ["betas", "[0.9]", "[beta1, beta2]"]),
     (["train_threads=-1"], ["train_threads", "-1"]),
+    (["algorithm.name=ppo"], ["algorithm.name='ppo'", "algorithm=OPTION", "tbpo"]),  # the name is the option's
 ])
 def test_bad_input_fails_in_one_line(capsys, args, names):
     cfg_job = [] if "steps=1" in args else ["--cfg", "job"]

@@ -12,10 +12,14 @@ import pytest
 import torch
 
 from qarl_cli.advantages import group_advantages
-from qarl_cli.config.algorithm import LOSS_AGGS, MISMATCH_MODES, NAMES, SCHEMAS, GRPOConfig, GSPOConfig, TBPOConfig
+from qarl_cli.config.algorithm import LOSS_AGGS, MISMATCH_MODES, SCHEMAS, GRPOConfig, GSPOConfig, TBPOConfig
 from qarl_cli.config.errors import ConfigError
-from qarl_cli.objectives import (AGGREGATIONS, DENOMINATORS, MISMATCH_LOG_RATIOS, OBJECTIVES, PolicyBatch,
-                                 get_objective)
+from qarl_cli.objectives import AGGREGATIONS, DENOMINATORS, MISMATCH_LOG_RATIOS, PolicyBatch
+from qarl_cli.stages import StageUnavailable, resolve
+
+
+def get_objective(name):
+    return resolve("algorithm", name)
 
 LN = math.log
 F64 = torch.float64
@@ -272,30 +276,57 @@ def test_extreme_logprobs_stay_finite(cfg):
 # ---- selection and configuration --------------------------------------------------------------------------------
 
 def test_get_objective_rejects_unknown_name():
-    with pytest.raises(ConfigError, match=r"algorithm.name='ppo'.*'tbpo', 'gspo', 'grpo', 'dapo'"):
+    with pytest.raises(StageUnavailable, match=r"algorithm=ppo is not an option.*dapo, grpo, gspo, tbpo"):
         get_objective("ppo")
 
 
 def test_tables_match_config_choices():
-    assert tuple(OBJECTIVES) == NAMES == tuple(SCHEMAS)
     assert tuple(AGGREGATIONS) == LOSS_AGGS
     assert tuple(MISMATCH_LOG_RATIOS) == MISMATCH_MODES
-    assert all(SCHEMAS[name]().name == name for name in NAMES)
+    assert all(SCHEMAS[name]().name == name for name in SCHEMAS)
+    # the sequence-ratio objectives share one core, the token-ratio ones the other
+    assert get_objective("tbpo") is get_objective("gspo") is not get_objective("grpo") is get_objective("dapo")
 
 
-def test_defaults_are_design_constants():
-    tbpo = SCHEMAS["tbpo"]()
-    assert (tbpo.eps_low, tbpo.eps_high, tbpo.eps_neg_low, tbpo.eps_neg_high) == (3e-4, 4e-4, 3e-4, 7e-4)
-    assert (tbpo.dual_clip, tbpo.mismatch, tbpo.mismatch_cap) == (True, "seq", 2.0)
-    assert tbpo.loss_agg == "seq-mean-token-mean"  # -sum_i w_i g_i / number of sequences
-    gspo = SCHEMAS["gspo"]()
-    assert (gspo.eps_low, gspo.eps_high, gspo.dual_clip, gspo.mismatch) == (3e-4, 4e-4, False, "none")
-    grpo = SCHEMAS["grpo"]()
-    assert (grpo.eps_low, grpo.eps_high, grpo.dual_clip, grpo.mismatch) == (0.2, 0.2, False, "none")
-    dapo = SCHEMAS["dapo"]()
-    assert (dapo.eps_low, dapo.eps_high, dapo.mismatch, dapo.loss_agg) == (0.2, 0.28, "none", "token-mean")
-    for cfg in (tbpo, gspo, grpo, dapo):
-        assert (cfg.drop_outside_band, cfg.adv_std_normalize, cfg.drop_no_signal_groups) == (False, True, True)
+def _documented_defaults() -> dict[str, dict]:
+    """The table "Config keys and defaults" of docs/objectives.md: {objective: {key: default}}."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "objectives.md").read_text()
+    lines = text.split("## Config keys and defaults", 1)[1].split("\n## ", 1)[0].splitlines()
+    header = [c.strip() for c in lines[2].strip().strip("|").split("|")]
+    assert header[2:] == ["tbpo", "gspo", "grpo", "dapo"], header
+
+    def value(cell: str):
+        cell = cell.strip().strip("`")
+        if cell in ("true", "false"):
+            return cell == "true"
+        try:
+            return float(cell)
+        except ValueError:
+            return cell
+
+    table: dict[str, dict] = {name: {} for name in header[2:]}
+    for line in lines:
+        cells = line.strip().strip("|").split("|")
+        if line.startswith("| `"):  # a config key (the ratio row, fixed by the name, is not one)
+            for name, cell in zip(header[2:], cells[2:]):
+                table[name][cells[0].strip().strip("`")] = value(cell)
+    return table
+
+
+def test_defaults_are_the_documented_ones():
+    """Every schema default is the value docs/objectives.md gives it, and every key but entropy_coef (off by
+    default, documented with the objective) is in that table."""
+    documented = _documented_defaults()
+    assert set(documented) == set(SCHEMAS)
+    for name, keys in documented.items():
+        cfg = SCHEMAS[name]()
+        fields = {f.name for f in dataclasses.fields(cfg)}
+        assert set(keys) == fields - {"entropy_coef"}, name
+        for key, want in keys.items():
+            assert getattr(cfg, key) == want, (name, key, getattr(cfg, key), want)
+        assert cfg.entropy_coef == 0.0
 
 
 @pytest.mark.parametrize("schema, field, value, message", [
@@ -307,7 +338,6 @@ def test_defaults_are_design_constants():
     (TBPOConfig, "mismatch", "is", "mismatch='is': must be one of ('none', 'tis', 'seq')"),
     (GRPOConfig, "loss_agg", "mean", "loss_agg='mean': must be one of ('token-mean', 'seq-mean-token-mean', "),
     (GSPOConfig, "drop_outside_band", True, "drop_outside_band=True: needs mismatch 'tis' or 'seq'"),
-    (GRPOConfig, "name", "ppo", "name='ppo': must be one of ('tbpo', 'gspo', 'grpo', 'dapo')"),
 ])
 def test_config_rejects_bad_values(schema, field, value, message):
     with pytest.raises(ConfigError) as err:
@@ -330,7 +360,7 @@ def test_rank_shares_weighted_by_their_denominators_sum_to_the_whole_batch_loss(
         assert total.item() == pytest.approx(whole.item(), rel=1e-12)
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
 def test_entropy_coef_subtracts_the_aggregated_entropy_and_its_gradient(name):
     """entropy_coef c: loss = the objective's loss - c * agg(H), for c < 0 (sharpening) and c > 0 (bonus); padded
     positions of H (here NaN) never count. H's gradient is -c times the aggregation's weight of each position."""
@@ -366,4 +396,7 @@ def test_next_token_entropy_is_the_categorical_entropy_of_each_position():
     logp, h = next_token_logprobs(model, ids, attn, entropy=True)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     expected = torch.distributions.Categorical(logits=logits).entropy()
-    assert torch.allclose(h, expected, atol=1e-5) and torch.equal(logp, next_token_logprobs(model, ids, attn))
+    assert torch.allclose(h, expected, atol=1e-5)
+    picked = torch.distributions.Categorical(logits=logits).log_prob(ids[:, 1:])  # log p of each next token
+    assert logp.shape == (3, 6) and torch.allclose(logp, picked, atol=1e-5)
+    assert torch.equal(logp, next_token_logprobs(model, ids, attn))  # the same with or without the entropy

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import sys
 
-COMMANDS = {
-    "train": "run the RL loop: quantized rollouts, rewards, aligned forward, TBPO updates, weight sync",
-    "quantize": "write a low-bit checkpoint that vLLM loads (int8, fp8_block, w4a16)",
-    "eval": "evaluate a checkpoint on a dataset: avg@k, pass@k, response length, error tokens",
-}
+from qarl_cli.commands import COMMANDS
 
 USAGE = """usage: qarl COMMAND [OVERRIDES ...] [--help] [--cfg job] [-m]
 

@@ -2,8 +2,8 @@
 
 Each objective maps (PolicyBatch, AlgorithmConfig) to (scalar loss to minimise, metrics). Two cores differ only in
 the importance ratio pi_theta / pi_old: one per sequence (tbpo, gspo) or one per token (grpo, dapo). What tells tbpo
-from gspo, or grpo from dapo, is the constants of their config schema (qarl_cli.config.algorithm). The trainer picks
-one with get_objective(cfg.name). Formulas, metric keys, numerics: docs/objectives.md.
+from gspo, or grpo from dapo, is the constants of their config schema (qarl_cli.config.algorithm). Each algorithm
+schema names its function in `impl` (qarl_cli.stages.resolve("algorithm", name)). Formulas, metric keys, numerics: docs/objectives.md.
 """
 
 import math
@@ -162,17 +162,3 @@ def token_ratio_loss(batch: PolicyBatch, cfg: AlgorithmConfig) -> tuple[Tensor, 
     the band without dual clip (PPO would follow it)."""
     b = _inputs(batch)
     return _clipped_loss((b.logprobs - b.old_logprobs).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), b, cfg)
-
-
-OBJECTIVES: dict[str, Objective] = {
-    "tbpo": sequence_ratio_loss,
-    "gspo": sequence_ratio_loss,
-    "grpo": token_ratio_loss,
-    "dapo": token_ratio_loss,
-}
-
-
-def get_objective(name: str) -> Objective:
-    """The loss function of the objective `name` (config key algorithm.name)."""
-    require(name in OBJECTIVES, "algorithm.name", name, f"must be one of {tuple(OBJECTIVES)}")
-    return OBJECTIVES[name]

