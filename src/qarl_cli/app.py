@@ -13,9 +13,13 @@ from qarl_cli.config.errors import ConfigError, UserError
 from qarl_cli.config.registry import GROUPS, conf_dir, one_line, options, register, run_id, validate
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by SIGINT
 
 
 def run_command(command: str, args: list[str]) -> int:
+    from qarl_cli import signals
+
+    signals.install()  # SIGTERM unwinds like an error: checkpoints kept, children and scratch cleaned
     register()
     run_id.cache_clear()  # a new run directory for every command, even two in one process
     from hydra._internal.utils import get_args_parser
@@ -23,23 +27,33 @@ def run_command(command: str, args: list[str]) -> int:
     parsed = get_args_parser().parse_args(args)
     if not (parsed.help or parsed.hydra_help or parsed.info or parsed.shell_completion):
         try:
-            precheck(command, parsed.overrides, allow_missing=parsed.cfg is not None)
+            record = precheck(command, parsed.overrides, allow_missing=parsed.cfg is not None)
         except ConfigError as e:
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
-    return _run_hydra(command, args)
+        if record and not parsed.multirun and parsed.cfg is None:
+            args = [*args, f"hydra.output_subdir={record}"]
+    try:
+        return _run_hydra(command, args)
+    except KeyboardInterrupt:  # before or after the job's own handling (train reports its steps itself)
+        print(f"qarl {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def precheck(command: str, overrides: list[str], allow_missing: bool = False) -> None:
+def precheck(command: str, overrides: list[str], allow_missing: bool = False) -> str | None:
     """Compose and validate before Hydra runs anything, so a typo fails in one line, before any model loads.
-    Each value of a sweep is checked (the others held at their first value)."""
+    Each value of a sweep is checked (the others held at their first value). Returns where Hydra should record
+    this launch's config when the run directory already holds a record (a resume, or a run refused for
+    holding one): in a sub-directory of its own, so the record of what the run did is never rewritten."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
-    except Exception as e:
+    except HydraException as e:
         raise ConfigError(one_line(e)) from None
     choices = []  # per override: the plain overrides it stands for
     for ov in parsed:
@@ -57,11 +71,15 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False) ->
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=command):
         for variant in variants:
             try:
-                cfg = compose(config_name=command, overrides=variant)
-            except Exception as e:
+                cfg = compose(config_name=command, overrides=variant, return_hydra_config=True)
+            except (HydraException, OmegaConfBaseException) as e:
                 raise ConfigError(_compose_error(e)) from None
             validate(cfg, command, allow_missing)
+        run_dir = Path(str(cfg.hydra.run.dir))
     GlobalHydra.instance().clear()
+    if (run_dir / ".hydra" / "config.yaml").is_file():
+        return f".hydra/{run_id()}"
+    return None
 
 
 def _check_option(group: str, value: Any) -> None:
@@ -96,7 +114,8 @@ def _run_hydra(command: str, args: list[str]) -> int:
             codes.append(int(impl.run(typed, run_dir) or 0))
         except UserError as e:  # a bad path, file or value found at run time: one line, no traceback
             print(f"qarl {command}: error: {e}", file=sys.stderr)
-            raise SystemExit(EXIT_USAGE if isinstance(e, ConfigError) else 1) from None
+            code = getattr(e, "exit_code", EXIT_USAGE if isinstance(e, ConfigError) else 1)
+            raise SystemExit(code) from None
 
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 writes the run directory's .hydra/
         args = [*args, "hydra.output_subdir=null"]
@@ -105,6 +124,10 @@ def _run_hydra(command: str, args: list[str]) -> int:
     try:
         job()
     except SystemExit as e:
+        from qarl_cli.signals import Terminated
+
+        if isinstance(e, Terminated):  # outside the training loop, which reports its own step
+            print(f"qarl {command}: {e}", file=sys.stderr)
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
         sys.argv = argv

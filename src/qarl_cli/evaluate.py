@@ -51,20 +51,19 @@ def group_of(problem: Problem) -> str:
     return f"{problem.source} level {problem.level}" if problem.level else problem.source
 
 
-def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], messages: Sequence[list[dict]],
+def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], prompts: Sequence[Sequence[int]],
              reward: Any, *, k: int, temperature: float, top_p: float, max_tokens: int, seed: int,
              chunk: int = 256, keep_samples: int = 8, progress: Optional[Callable[[int], None]] = None
              ) -> EvalResult:
-    """`messages[i]`: the chat prompt of `problems[i]`. `progress(n)` is called as prompts finish."""
-    from qarl_cli.models.hf_eval import prompt_ids
-
+    """`prompts[i]`: the token ids of `problems[i]`'s prompt (data.prompts.encode). `progress(n)` is called as
+    prompts finish."""
     start = time.perf_counter()
     hits: list[list[int]] = []
     flags, lengths, results, shown = [], [], [], []
     gen_seconds = tokens = 0.0
     for lo in range(0, len(problems), chunk):
         part = problems[lo:lo + chunk]
-        batch = engine.generate(prompt_ids(tokenizer, list(messages[lo:lo + chunk])), n=k, temperature=temperature,
+        batch = engine.generate(list(prompts[lo:lo + chunk]), n=k, temperature=temperature,
                                 top_p=top_p, max_tokens=max_tokens, seed=seed + lo)
         gen_seconds += batch.seconds
         tokens += batch.num_tokens
@@ -100,8 +99,9 @@ def evaluate(engine: Any, tokenizer: Any, problems: Sequence[Problem], messages:
 
 def decode(batch: Any, tokenizer: Any, max_tokens: int) -> tuple[list[str], list]:
     """The responses' texts (the final stop token left out) and their error-token flags."""
-    eos = tokenizer.eos_token_id
-    stop = set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    from qarl_cli.rollout.base import stop_ids
+
+    stop = stop_ids(tokenizer.eos_token_id)
     bodies = [r[:-1] if r and reason == "stop" and r[-1] in stop else r
               for r, reason in zip(batch.response_ids, batch.finish_reasons)]
     texts = tokenizer.batch_decode(bodies, skip_special_tokens=True)

@@ -17,31 +17,34 @@ from qarl_cli.config.root import EvalConfig
 def run(cfg: EvalConfig, run_dir: Path) -> int:
     from transformers import AutoTokenizer
 
-    from qarl_cli.data.splits import chat_messages, load_splits
+    from qarl_cli.data.prompts import check_lengths, encode
+    from qarl_cli.data.splits import load_splits
     from qarl_cli.evaluate import evaluate, pass_ks
-    from qarl_cli.models.hf_eval import prompt_ids
+    from qarl_cli.models.integrity import check_checkpoint
     from qarl_cli.models.resolve import model_dir
     from qarl_cli.quant import build_scheme
-    from qarl_cli.rollout.base import build_engine
+    from qarl_cli.rollout.base import build_engine, context_length
     from qarl_cli.stages import resolve
 
     console = Console(markup=False, highlight=False)
     path = model_dir(cfg.model, log=console.print)
+    check_checkpoint(path)  # complete files, finite weights: a diverged run's checkpoint is not evaluated to 0 %
     tok = AutoTokenizer.from_pretrained(str(path))
-    problems = load_splits(cfg.data, cfg.seed).test[:cfg.limit]
-    messages = [chat_messages(cfg.data, p) for p in problems]
-    longest = max(map(len, prompt_ids(tok, messages)), default=1)
+    problems = load_splits(cfg.data, cfg.seed, train=False).test[:cfg.limit]
+    prompts = encode(tok, cfg.data, problems)
+    limit = context_length(cfg.rollout, path)
+    check_lengths(prompts, problems, limit, cfg.max_new_tokens)
     scheme = build_scheme(cfg.quant, cfg.device)
     console.print(f"[qarl] eval {path} on {len(problems)} {cfg.data.name} problems, k={cfg.samples}, "
                   f"quant={cfg.quant.name}, rollout={cfg.rollout.name}")
     engine = build_engine(cfg.rollout, path, scheme, dtype=cfg.model.dtype, seed=cfg.seed,
-                          max_model_len=longest + cfg.max_new_tokens, device=cfg.device)
+                          max_model_len=limit, device=cfg.device)
     reward = resolve("reward", cfg.reward.name)(cfg.reward)
     try:
         with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as bar:
             task = bar.add_task("eval", total=len(problems))
-            result = evaluate(engine, tok, problems, messages, reward, k=cfg.samples, temperature=cfg.temperature,
+            result = evaluate(engine, tok, problems, prompts, reward, k=cfg.samples, temperature=cfg.temperature,
                               top_p=cfg.top_p, max_tokens=cfg.max_new_tokens, seed=cfg.seed,
                               progress=lambda n: bar.advance(task, n))
     finally:

@@ -77,3 +77,14 @@ def train_stream(seed: int, levels: Sequence[int], start: int = 0) -> Iterator[P
             expr = LEVELS[level](rng)
         yield make(expr, level)
         i += 1
+
+
+class ArithSource:
+    """data=arith: the fixed test split, and training problems generated from (seed, position)."""
+
+    def __init__(self, cfg, seed: int) -> None:
+        self.levels, self.seed = list(cfg.levels), seed
+        self.test = test_split(cfg.test_size, self.levels)
+
+    def train_stream(self, start: int = 0) -> Iterator[Problem]:
+        return train_stream(self.seed, self.levels, start)

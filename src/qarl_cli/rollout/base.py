@@ -5,21 +5,28 @@ takes new weights in place.
 
 Weights arrive as (name, tensor) in checkpoint format: with `weights="prequantized"` the scheme's packed low-bit
 tensors and scales (`quant.checkpoint.quantized_state`), which the engine uses as they are; with
-`weights="online"` the trainer's unquantized masters, which the engine quantizes with the same scheme. A load
+`weights="online"` (sync.mode, one of config.stages.SYNC_MODES) the trainer's unquantized masters, which the engine quantizes with the same scheme. A load
 either applies completely or raises WeightSyncError and leaves the engine on its old weights."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import torch
 
 from qarl_cli.config.errors import UserError
 
-WEIGHT_MODES = ("prequantized", "online")
 FINISH_REASONS = ("stop", "length")  # stop: the model ended its turn (EOS); length: max_tokens reached
+
+
+def stop_ids(eos_token_id) -> frozenset[int]:
+    """The token ids that end a response, from an `eos_token_id` as tokenizers and generation configs hold it
+    (one id, a list of them, or None)."""
+    if eos_token_id is None:
+        return frozenset()
+    return frozenset(eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])
 
 
 class WeightSyncError(UserError, RuntimeError):
@@ -81,9 +88,21 @@ def build_engine(cfg, model_dir: Path, scheme, *, weights: str = "prequantized",
     """The engine of `rollout=cfg.name` serving the unquantized checkpoint `model_dir` quantized with `scheme`.
     max_model_len: the longest prompt + response the run needs. workdir: where an engine may write the
     quantized checkpoint it starts from (a temporary directory when None)."""
-    from qarl_cli.config.errors import require
     from qarl_cli.stages import resolve
 
-    require(weights in WEIGHT_MODES, "sync.mode", weights, f"must be one of {', '.join(WEIGHT_MODES)}")
     return resolve("rollout", cfg.name)(cfg, Path(model_dir), scheme, weights=weights, dtype=dtype, seed=seed,
                                         max_model_len=max_model_len, device=device, workdir=workdir)
+
+
+def context_length(cfg: Any, model_dir: Path) -> int:
+    """The engine's context in tokens (prompt + response): rollout.max_model_len where the option has one and
+    it is set, else what the model supports (max_position_embeddings of its config.json). Prompts are checked
+    against it before they reach an engine (data.prompts.check_lengths)."""
+    import json
+
+    configured = getattr(cfg, "max_model_len", None)
+    if configured:
+        return int(configured)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = config.get("text_config", config)
+    return int(config["max_position_embeddings"])

@@ -14,13 +14,22 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 from torch import nn
 
 from qarl_cli.config.stages import InplaceSyncConfig
 from qarl_cli.logprobs import sequence_logprobs
 from qarl_cli.rollout.base import RolloutEngine, WeightSyncError
+
+
+class Sync(Protocol):
+    """The sync stage's contract (`sync` group): built as impl(cfg, scheme, plan, probe, gather=...)."""
+
+    def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
+        """Put `model`'s current weights into `engine`; metrics (time/sync, sync/*). All or nothing: a push that
+        fails leaves the engine on its previous weights and raises WeightSyncError."""
+        ...
 
 
 class InplaceSync:

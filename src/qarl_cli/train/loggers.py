@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class Logger(Protocol):
+    """The logger stage's contract (`logger` group), built as impl(cfg, run_dir, config as a dict)."""
+
+    def log(self, step: int, metrics: dict[str, float], samples: list[dict] | None = None) -> None:
+        """One record per step (evaluations at a step without training log on their own)."""
+        ...
+
+    def close(self) -> None:
+        ...
 
 
 class JsonlLogger:
@@ -58,6 +69,3 @@ class NullLogger:
 
     def close(self) -> None:
         pass
-
-
-LOGGERS = {"console": JsonlLogger, "wandb": WandbLogger}

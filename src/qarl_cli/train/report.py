@@ -13,16 +13,14 @@ from rich.table import Table
 def evaluate_now(run: Any, step: int, console: Any, metrics: Optional[dict] = None) -> list[dict]:
     """Evaluate the engine's current weights on the test split; the eval/* keys go into `metrics` (or are
     logged on their own at `step` when there is no step's metrics, as at the start). Returns one history row."""
-    from qarl_cli.data.splits import chat_messages
     from qarl_cli.evaluate import evaluate
 
     cfg = run.cfg
-    problems = run.splits.test
-    messages = [chat_messages(cfg.data, p) for p in problems]
+    problems, prompts = run.splits.test, run.test_prompts
     common = dict(max_tokens=cfg.max_new_tokens, seed=cfg.seed + 1_000 * step)
-    sampled = evaluate(run.engine, run.tokenizer, problems, messages, run.reward, k=cfg.eval_samples,
+    sampled = evaluate(run.engine, run.tokenizer, problems, prompts, run.reward, k=cfg.eval_samples,
                        temperature=cfg.temperature, top_p=cfg.top_p, **common)
-    greedy = evaluate(run.engine, run.tokenizer, problems, messages, run.reward, k=1, temperature=0.0, top_p=1.0,
+    greedy = evaluate(run.engine, run.tokenizer, problems, prompts, run.reward, k=1, temperature=0.0, top_p=1.0,
                       **common)
     k = cfg.eval_samples
     out = {f"eval/avg@{k}": sampled.metrics[f"eval/avg@{k}"], f"eval/pass@{k}": sampled.metrics[f"eval/pass@{k}"],

@@ -1,0 +1,60 @@
+"""SIGTERM (and SIGHUP) as an orderly exit: by default Python dies of them at once, so no `finally`, context
+manager or atexit hook runs, and whatever the process holds outside itself stays behind (the rollout engine's
+scratch copy of the model in /dev/shm, a checkpoint's temporary directory). `install()` makes them raise
+`Terminated` (a SystemExit) in the main thread instead, so the process unwinds as it does on an error and exits
+with 128 + the signal's number, the shell's convention for a process ended by a signal.
+
+A second signal while the process unwinds takes the default action (the process dies at once: a user who asks
+twice means it, and a process that caught the first one and went on must stay killable). SIGKILL cannot be
+caught: what a killed process leaves is removed by the next one (qarl_cli.scratch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any
+
+SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by a caught SIGTERM/SIGHUP; its code is 128 + the signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"terminated by {signal.Signals(self.signum).name}"
+
+
+_received: list[int] = []
+
+
+def _handler(signum: int, frame: Any) -> None:
+    if _received:  # asked again while unwinding: die of the signal now
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
+    _received.append(signum)
+    raise Terminated(signum)
+
+
+def install() -> bool:
+    """Turn SIGTERM and SIGHUP into `Terminated` in this process (idempotent; a process that handled one and
+    went on, e.g. one running several commands, is armed again). Only the main thread can set signal handlers:
+    from another thread this does nothing and returns False. A signal the process was started with ignored
+    (`nohup` ignores SIGHUP) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    _received.clear()
+    for sig in SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _handler)
+    return True
+
+
+def received() -> int | None:
+    """The signal that ended the process, if one did."""
+    return _received[0] if _received else None
