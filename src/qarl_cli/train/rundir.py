@@ -1,0 +1,142 @@
+"""A run directory holds one run, written by one live process.
+
+- `claim`: an exclusive lock (flock on `.qarl.lock`) held for the life of the process; the kernel drops it when
+  the process dies, however it dies, so a crashed run never blocks its own resume. A second `qarl train` into
+  the same directory stops in one line naming the holder's pid.
+- `check_fresh`: a run without `resume` into a directory that already holds a run (checkpoints or metrics) is
+  refused, unless `overwrite=true` says to replace it.
+- `check_resume`: what may change when a run is resumed. The trained weights and the trainer state came from
+  the checkpoint's config; a key that shapes them (model, data, quant, algorithm, lr, ...) is refused by name.
+  Keys in RESUMABLE only say how long to run, how often to evaluate or save, where to log and what resources
+  to use.
+- `tidy_for_resume`: the records of an interrupted run are cut back to its checkpoint (metrics.jsonl keeps the
+  lines of steps <= the checkpoint's), and partly written checkpoints are removed, so that a resumed run's
+  records equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from qarl_cli.config.errors import ConfigError, UserError
+
+LOCK = ".qarl.lock"
+CONFIG = "config.json"  # the run's config, beside each checkpoint's trainer.pt
+# Keys (or prefixes ending in ".") that may differ between a checkpoint's config and its resume.
+RESUMABLE = ("steps", "resume", "overwrite", "eval_every", "eval_samples", "checkpoint_every", "train_threads",
+             "logger.", "model.cache_dir", "reward.num_workers", "reward.timeout_s", "reward.kill_grace_s",
+             "reward.worker_memory_mb", "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes",
+             "rollout.enforce_eager", "rollout.batch_size", "sync.verify_every", "sync.verify_tolerance")
+_held: list[Any] = []  # open lock files: the lock lasts as long as the process
+
+
+class RunDirInUse(UserError, RuntimeError):
+    """Another live process writes this run directory."""
+
+
+def claim(run_dir: Path) -> None:
+    """Take the run directory for this process (idempotent), or RunDirInUse."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    if any(getattr(f, "name", None) == str(path) for f in _held):
+        return
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        raise RunDirInUse(f"run directory {run_dir} is in use by another qarl train (pid {holder}); wait for it "
+                          "to end, or give this run its own hydra.run.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    _held.append(f)
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether the directory already holds a run's results (checkpoints or step records)."""
+    ckpts = run_dir / "checkpoints"
+    return (run_dir / "metrics.jsonl").exists() or (ckpts.is_dir() and any(ckpts.iterdir()))
+
+
+def check_fresh(run_dir: Path, overwrite: bool) -> None:
+    """A fresh run may only start in a directory that holds no run, or replace it when told to."""
+    if not holds_run(run_dir):
+        return
+    if not overwrite:
+        raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run (checkpoints / metrics.jsonl): "
+                          "continue it with resume=true, start this one in a new directory, or replace it with "
+                          "overwrite=true")
+    for name in ("checkpoints", "metrics.jsonl", "summary.json", "error.log", "wandb"):
+        target = run_dir / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+
+
+def check_resume(ckpt: Path, config: dict) -> None:
+    """The resumed config (flat dict of the validated TrainConfig) against the one the checkpoint was written
+    with; a checkpoint without a recorded config (written before configs were recorded) is not checked."""
+    path = ckpt / CONFIG
+    if not path.is_file():
+        return
+    before, now = _flat(json.loads(path.read_text())), _flat(config)
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if before.get(k) != now.get(k) and not any(k == r or (r.endswith(".") and k.startswith(r))
+                                                                for r in RESUMABLE))
+    if changed:
+        shown = ", ".join(f"{k}={now.get(k)!r} (was {before.get(k)!r})" for k in changed[:4])
+        more = f" and {len(changed) - 4} more" if len(changed) > 4 else ""
+        raise ConfigError(f"resume={str(ckpt)!r}: {shown}{more} {'differ' if len(changed) > 1 else 'differs'} from the run being resumed; a resumed run "
+                          "keeps its config except how long it runs, how often it evaluates and saves, where it "
+                          "logs and the resources it uses: start a new run for the others")
+
+
+def tidy_for_resume(run_dir: Path, step: int, metrics_file: str, main: bool) -> None:
+    """Records after checkpoint `step` belong to steps that will run again: drop them (rank 0 only)."""
+    if not main:
+        return
+    remove_partial_checkpoints(run_dir)
+    path = run_dir / metrics_file
+    if path.is_file():
+        lines = path.read_text().splitlines()
+        kept = [ln for ln in lines if ln.strip() and _step(ln) is not None and _step(ln) <= step]
+        if len(kept) != len(lines):
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(f"{ln}\n" for ln in kept))
+            os.replace(tmp, path)
+
+
+def remove_partial_checkpoints(run_dir: Path) -> None:
+    """Checkpoints a killed run left half-written (the lock says no live process is writing them)."""
+    for tmp in (run_dir / "checkpoints").glob(".step_*.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def config_dict(cfg: Any) -> dict:
+    """A validated TrainConfig as plain JSON-able data (what check_resume compares)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))
+
+
+def _step(line: str) -> Optional[int]:
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None  # a line cut by a kill mid-write
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
