@@ -1,4 +1,5 @@
-"""Muon (momentum orthogonalized by Newton-Schulz) for the hidden weight matrices, AdamW for the rest.
+"""The optimizer and learning-rate schedule of `qarl train` and of the tiny model's warm start: Muon
+(momentum orthogonalized by Newton-Schulz) for the hidden weight matrices, AdamW for the rest, as one optimizer.
 
 The QaRL paper trains with Muon. It also makes the tiny model's warm start several times faster per step than
 AdamW, which is what lets the embedded default build in minutes on two CPU cores. torch.optim.Muon runs its
@@ -6,6 +7,9 @@ Newton-Schulz iterations in bf16, which CPUs without bf16 units emulate slowly; 
 own dtype."""
 
 from __future__ import annotations
+
+import math
+from typing import Callable
 
 import torch
 
@@ -26,39 +30,9 @@ def orthogonalize(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return x.T if tall else x
 
 
-class Muon(torch.optim.Optimizer):
-    """SGD-momentum (Nesterov) whose update is orthogonalized, scaled to the RMS an AdamW update would have
-    (0.2 * sqrt(max(rows, cols))), so one learning rate serves both optimizers."""
-
-    def __init__(self, params, lr: float = 3e-3, momentum: float = 0.95, weight_decay: float = 0.0):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
-                buf.mul_(group["momentum"]).add_(p.grad)
-                update = orthogonalize(p.grad.add(buf, alpha=group["momentum"]))
-                if group["weight_decay"]:
-                    p.mul_(1 - group["lr"] * group["weight_decay"])
-                p.add_(update, alpha=-group["lr"] * 0.2 * max(p.shape) ** 0.5)
-
-
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     """Muon is for the matrices inside the network; embeddings, the output head, norms and biases use AdamW."""
     return p.ndim == 2 and "embed" not in name and "lm_head" not in name
-
-
-def muon_with_adamw(model: torch.nn.Module, lr: float, weight_decay: float = 0.0,
-                    betas: tuple[float, float] = (0.9, 0.98)) -> list[torch.optim.Optimizer]:
-    named = list(model.named_parameters())
-    hidden = [p for n, p in named if p.requires_grad and is_hidden_matrix(n, p)]
-    rest = [p for n, p in named if p.requires_grad and not is_hidden_matrix(n, p)]
-    return [Muon(hidden, lr=lr, weight_decay=weight_decay),
-            torch.optim.AdamW(rest, lr=lr, betas=betas, weight_decay=weight_decay)]
 
 
 def _orthogonalize_whole(g: torch.Tensor) -> torch.Tensor:
@@ -75,18 +49,20 @@ def _orthogonalize_whole(g: torch.Tensor) -> torch.Tensor:
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the hidden matrices and AdamW for the rest as one optimizer (one state dict, one schedule, one
     step hook): what the QaRL paper trains with. Muon's update has a fixed size per matrix whatever the gradient's
-    noise; AdamW's moves every weight by about lr, noise-only gradients included."""
+    noise (SGD-momentum, Nesterov, orthogonalized, scaled by 0.2 sqrt(max(rows, cols)) to the RMS an AdamW update
+    would have); AdamW's moves every weight by about lr, noise-only gradients included. The AdamW part computes
+    exactly what torch.optim.AdamW computes (the same operations in the same order)."""
 
-    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float = 0.0, momentum: float = 0.95,
-                 betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8, adamw_lr_ratio: float = 1.0) -> None:
+    def __init__(self, model: torch.nn.Module, lr: float, *, adamw_lr_ratio: float, betas: tuple[float, float],
+                 weight_decay: float = 0.0, momentum: float = 0.95, eps: float = 1e-8) -> None:
         """adamw_lr_ratio: the AdamW group's learning rate relative to Muon's (Muon's update entries have an RMS
-        of 0.2 lr; AdamW's, early on, of about lr)."""
+        of 0.2 lr; AdamW's, early on, of about lr). betas: the AdamW part's (beta1, beta2)."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         groups = [{"params": [p for n, p in named if is_hidden_matrix(n, p)], "muon": True, "lr": lr},
                   {"params": [p for n, p in named if not is_hidden_matrix(n, p)], "muon": False,
                    "lr": lr * adamw_lr_ratio}]
         super().__init__([g for g in groups if g["params"]], dict(lr=lr, weight_decay=weight_decay,
-                                                                   momentum=momentum, betas=betas, eps=eps))
+                                                                   momentum=momentum, betas=tuple(betas), eps=eps))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -105,13 +81,13 @@ class MuonAdamW(torch.optim.Optimizer):
                     p.add_(update, alpha=-lr * 0.2 * max(p.shape) ** 0.5)
                     continue
                 b1, b2 = group["betas"]
-                state["step"] = state.get("step", 0) + 1
+                state["step"] = t = state.get("step", 0) + 1
                 m = state.setdefault("exp_avg", torch.zeros_like(p))
                 v = state.setdefault("exp_avg_sq", torch.zeros_like(p))
-                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                m.lerp_(p.grad, 1 - b1)
                 v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
-                denom = (v / (1 - b2 ** state["step"])).sqrt_().add_(group["eps"])
-                p.addcdiv_(m, denom, value=-lr / (1 - b1 ** state["step"]))
+                denom = (v.sqrt() / (1 - b2 ** t) ** 0.5).add_(group["eps"])
+                p.addcdiv_(m, denom, value=-(lr / (1 - b1 ** t)))
 
 
 def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[float, float],
@@ -124,3 +100,17 @@ def build_optimizer(model: torch.nn.Module, name: str, lr: float, betas: tuple[f
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=betas[0], weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
+
+
+def lr_lambda(warmup: int, total: int, schedule: str, final: float = 0.1) -> Callable[[int], float]:
+    """The learning rate at step s as a fraction of the peak (torch's LambdaLR): a linear warm-up over `warmup`
+    steps, then "constant" (1), or "cosine": a cosine decay from 1 at the end of the warm-up to `final` at
+    `total`, staying at `final` after it (final = 1 is constant too)."""
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * progress))
+    return factor

@@ -4,7 +4,6 @@ learning (by default its learning rate is not annealed: see TinyModelConfig.warm
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Callable
 
@@ -12,7 +11,7 @@ from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.data import arith
 from qarl_cli.models.hf_eval import greedy_accuracy, prompt_ids, user_messages
 from qarl_cli.models.tokenizer import BOXED
-from qarl_cli.optim import muon_with_adamw
+from qarl_cli.optim import MuonAdamW, lr_lambda
 
 
 def _batch(tok, problems):
@@ -37,11 +36,11 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
     torch.manual_seed(cfg.build_seed)
     # Level 1 twice as often: it is where the model first learns to read digits, which the others build on.
     stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 1, 2, 3])
-    opts = muon_with_adamw(model, cfg.warm_start_lr)  # AdamW alone needs ~10x the steps here
-    warmup = max(1, cfg.warm_start_steps // 20)
-    floor = cfg.warm_start_final_lr
-    scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (
-        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / cfg.warm_start_steps))))) for opt in opts]
+    # AdamW alone needs ~10x the steps here. The AdamW part at the full lr with betas (0.9, 0.98): the recipe the
+    # default model was built with (qarl train's muon differs: AdamW part at lr / 5, betas from its config).
+    opt = MuonAdamW(model, cfg.warm_start_lr, adamw_lr_ratio=1.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, cfg.warm_start_steps // 20), cfg.warm_start_steps,
+                                                             "cosine", final=cfg.warm_start_final_lr))
     model.train()
     start, loss = time.time(), float("nan")
     with Progress(transient=True) as progress:
@@ -51,10 +50,9 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
             out = model(input_ids=ids, attention_mask=mask, labels=labels)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for opt, sched in zip(opts, scheds):
-                opt.step()
-                sched.step()
-                opt.zero_grad(set_to_none=True)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
             loss = out.loss.item()
             progress.update(task, advance=1, description=f"warm start (loss {loss:.3f})")
     seconds = time.time() - start
