@@ -17,9 +17,10 @@ import torch
 from torch import Tensor, nn
 
 from qarl_cli.logprobs import next_token_logprobs
+from qarl_cli.mismatch import mismatch_metrics
 from qarl_cli.objectives import DENOMINATORS, PolicyBatch
-from qarl_cli.train.distributed import Single, chunks_per_rank
 from qarl_cli.optim import lr_lambda
+from qarl_cli.train.distributed import Single, chunks_per_rank
 from qarl_cli.train.sequences import Sequences
 
 
@@ -84,14 +85,15 @@ class Learner:
         return self.cfg.minibatches > 1 or self.cfg.epochs_per_step > 1
 
     def update(self, seqs: Sequences, old: Tensor | None, advantages: Tensor, algo_cfg: Any,
-               seed: int) -> tuple[dict[str, float], Tensor]:
+               seed: int) -> dict[str, float]:
         """Epochs x minibatches over the batch (shuffled with `seed`); one optimizer step per minibatch.
-        `old`: pi_old of the batch, or None when not needs_old_pass. Returns the metrics and pi_old."""
+        `old`: old_logprobs(seqs). Returns the objective's and the update's metrics (`update/optimizer_steps`:
+        how many steps changed the weights), and the rollout mismatch (engine vs pi_old, qarl_cli.mismatch)."""
         with threads(self.cfg.train_threads):
             return self._update(seqs, old, advantages, algo_cfg, seed)
 
     def _update(self, seqs: Sequences, old: Tensor | None, advantages: Tensor, algo_cfg: Any,
-                seed: int) -> tuple[dict[str, float], Tensor]:
+                seed: int) -> dict[str, float]:
         self.model.train()
         lr = self.scheduler.get_last_lr()[0]
         gen = torch.Generator().manual_seed(seed)
@@ -134,10 +136,14 @@ class Learner:
                     sums[k] = sums.get(k, 0.0) + float(v)
         if on_policy:
             old = self.dist.all_sum(old)
-        self.scheduler.step()
         out = {k: v / max(steps, 1) for k, v in sums.items()}
-        out.update({"update/lr": lr, "update/skipped_steps": float(self.skipped)})
-        return out, old
+        out.update({"update/lr": lr, "update/skipped_steps": float(self.skipped),
+                    "update/optimizer_steps": float(steps)})
+        return {**out, **mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask, algo_cfg.mismatch_cap)}
+
+    def end_step(self) -> None:
+        """One RL step done (whether or not it had a learning signal): the LR schedule advances."""
+        self.scheduler.step()
 
     def _clip(self) -> float:
         """Clip the gradients to a global norm of grad_clip (0: no clipping); returns the norm before clipping.
