@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from qarl_cli.config.data import ArithDataConfig
 from qarl_cli.data.base import Problem
 from qarl_cli.reward.boxed import last_boxed
 
@@ -19,10 +20,12 @@ def prompt_ids(tok, messages: list[list[dict[str, str]]]) -> list[list[int]]:
     return tok(texts, add_special_tokens=False)["input_ids"]
 
 
-def generate_texts(model, tok, messages: list[list[dict[str, str]]], max_new_tokens: int = 12,
-                 batch_size: int = 256, samples: int = 0) -> list[str]:
+def generate_texts(model, tok, messages: list[list[dict[str, str]]],
+                   max_new_tokens: int = ArithDataConfig.max_new_tokens, batch_size: int = 256,
+                   samples: int = 0) -> list[str]:
     """Greedy answers, or with samples = k > 0, k answers per prompt sampled at temperature 1 (prompt i's are
-    texts[i * k:(i + 1) * k]), from torch's global generator."""
+    texts[i * k:(i + 1) * k]), from torch's global generator. max_new_tokens: by default the arithmetic task's
+    answer length (data=arith's max_new_tokens), what the tiny models are built and checked on."""
     import torch
 
     sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, num_return_sequences=samples) if samples \
@@ -44,13 +47,15 @@ def is_correct(problem: Problem, text: str) -> bool:
     return answer is not None and answer.strip() == problem.answer
 
 
-def sampled_accuracy(model, tok, problems: list[Problem], k: int = 4, max_new_tokens: int = 12) -> float:
+def sampled_accuracy(model, tok, problems: list[Problem], k: int = 4,
+                     max_new_tokens: int = ArithDataConfig.max_new_tokens) -> float:
     """avg@k: exact-match accuracy of k answers per problem sampled at temperature 1."""
     texts = generate_texts(model, tok, user_messages(problems), max_new_tokens, samples=k)
     return sum(is_correct(problems[i // k], text) for i, text in enumerate(texts)) / len(texts)
 
 
-def greedy_accuracy(model, tok, problems: list[Problem], max_new_tokens: int = 12) -> dict:
+def greedy_accuracy(model, tok, problems: list[Problem],
+                    max_new_tokens: int = ArithDataConfig.max_new_tokens) -> dict:
     """Exact-match accuracy of greedy answers, overall and per level."""
     texts = generate_texts(model, tok, user_messages(problems), max_new_tokens)
     hits: dict[int, list[int]] = defaultdict(list)

@@ -25,7 +25,8 @@ from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_st
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
+# Files that hold weights (of any framework); a checkpoint's other files are its side files.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 
 State = Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
@@ -182,7 +183,17 @@ def _write_metadata(src: Path, tmp: Path, scheme: Scheme, plan: CheckpointPlan, 
     if (src / INDEX).is_file():
         index = {"metadata": {"total_size": nbytes}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    for path in src.iterdir():  # tokenizer, chat template, generation config, ...
-        if path.is_file() and not path.name.startswith(".") and path.name not in ("config.json", INDEX) \
-                and not path.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(path, tmp / path.name)
+    copy_side_files(src, tmp)
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy the side files of checkpoint `src` (tokenizer, chat template, generation config, ...) into `dst`:
+    every plain file that holds no weights, is not the shard index and is not hidden, unless `dst` has it
+    already (what the writer of `dst` wrote, its config.json included, is kept). Returns the names copied."""
+    src, dst, copied = Path(src), Path(dst), []
+    for path in sorted(src.iterdir()):
+        if path.is_file() and not path.name.startswith(".") and path.name != INDEX \
+                and not path.name.endswith(WEIGHT_SUFFIXES) and not (dst / path.name).exists():
+            shutil.copy2(path, dst / path.name)
+            copied.append(path.name)
+    return copied

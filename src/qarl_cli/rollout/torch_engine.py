@@ -24,7 +24,7 @@ from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
 from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_state, is_fused_experts
-from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
+from qarl_cli.rollout.base import RolloutBatch, WeightSyncError, stop_ids
 from qarl_cli.rollout.weights import checked, spec_of
 
 ENGINE = "rollout=torch"
@@ -45,8 +45,7 @@ class TorchEngine:
         self.cfg, self.scheme, self.weights = cfg, scheme, weights
         self.device = torch.device(resolve_device(device))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
-        eos = model.generation_config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.eos = stop_ids(model.generation_config.eos_token_id)
         # What the engine accepts, from a twin on the meta device (no weight is copied or quantized).
         with torch.device("meta"):
             twin = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)

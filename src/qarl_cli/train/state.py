@@ -16,7 +16,6 @@ import torch
 from qarl_cli.config.errors import ConfigError
 
 PREFIX = "step_"
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -58,10 +57,9 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source:
     tmp.mkdir(parents=True)
     try:
         model.save_pretrained(tmp / "model", **({} if weights is None else {"state_dict": weights}))
-        for f in source.iterdir():  # tokenizer, chat template (not the source's weights or config)
-            if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and not (tmp / "model" / f.name).exists() \
-                    and f.name != "model.safetensors.index.json":
-                shutil.copy2(f, tmp / "model" / f.name)
+        from qarl_cli.quant.checkpoint import copy_side_files
+
+        copy_side_files(source, tmp / "model")  # tokenizer, chat template (not the source's weights or config)
         torch.save({"step": step, "optimizer": optimizer, "world": learner.dist.world,
                     "scheduler": learner.scheduler.state_dict(), "skipped": learner.skipped,
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra},
