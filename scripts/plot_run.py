@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 PANELS = [
-    ("reward and accuracy", ["reward/mean", "eval/avg@4", "eval/greedy_acc"]),
+    ("reward and accuracy", ["reward/mean", "eval/avg@*", "eval/greedy_acc"]),  # avg@k for the run's eval_samples
     ("rollout mismatch", ["mismatch/k3_kl", "mismatch/abs_logp_diff_mean"]),
     ("error tokens", ["error_tokens/any_frac", "error_tokens/repeat_frac", "error_tokens/truncated_frac"]),
     ("seconds per step", ["time/rollout", "time/reward", "time/forward", "time/update", "time/sync"]),
@@ -22,6 +22,18 @@ def load(run_dir: Path) -> list[dict]:
     if not path.is_file():
         raise SystemExit(f"plot_run: {path} not found (is {run_dir} a qarl train run directory?)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def curves(rows: list[dict], keys: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """key -> (step, value) of every row that has it, for the keys that some row has; a key ending in * stands for
+    each key of the rows that it begins (eval/avg@* -> eval/avg@4, not eval/avg@4/level1)."""
+    present = sorted({k for r in rows for k in r})
+    names = []
+    for key in keys:
+        prefix = key.removesuffix("*")
+        names += [k for k in present if k.startswith(prefix) and "/" not in k[len(prefix):]] if key != prefix \
+            else [key]
+    return {n: [(r["step"], r[n]) for r in rows if n in r] for n in names if any(n in r for r in rows)}
 
 
 def main() -> None:
@@ -36,12 +48,12 @@ def main() -> None:
 
     rows = load(args.run_dir)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6))
+    drawn = []
     for ax, (title, keys) in zip(axes, PANELS):
-        for key in keys:
-            points = [(r["step"], r[key]) for r in rows if key in r]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o" if len(points) < 20 else None, label=key, linewidth=1.2)
+        for key, points in curves(rows, keys).items():
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o" if len(points) < 20 else None, label=key, linewidth=1.2)
+            drawn.append(key)
         if title == "rollout mismatch":
             ax.set_yscale("symlog", linthresh=1e-6)
         ax.set_title(title)
@@ -51,7 +63,7 @@ def main() -> None:
     fig.tight_layout()
     out = args.out or args.run_dir / "curves.png"
     fig.savefig(out, dpi=110)
-    print(f"wrote {out}")
+    print(f"wrote {out}: {', '.join(drawn)}")
 
 
 if __name__ == "__main__":
