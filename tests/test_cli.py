@@ -75,16 +75,24 @@ def test_multirun_launches_one_job_per_value_into_separate_dirs(tmp_path):
     assert [p.name for p in jobs] == ["0", "1"]
     seeds = [(p / ".hydra" / "overrides.yaml").read_text() for p in jobs]
     assert "seed=0" in seeds[0] and "seed=1" in seeds[1]
-    for job in jobs:
-        assert json.loads((job / "summary.json").read_text())["last"]["eval/greedy_acc"] >= 0
+    for seed, job in enumerate(jobs):  # each job ran its own composed config to the end, into its own directory
+        assert f"\nseed: {seed}\n" in (job / ".hydra" / "config.yaml").read_text()
+        assert [json.loads(line)["step"] for line in (job / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+        summary = json.loads((job / "summary.json").read_text())
+        assert [h["step"] for h in summary["history"]] == [0, 1] and Path(summary["run_dir"]).resolve() == job.resolve()
 
 
-def test_two_runs_started_together_get_their_own_dirs(tmp_path):
-    env = {**os.environ, "QARL_CACHE_DIR": str(tmp_path / "cache")}
-    _run(["train", *TINY], tmp_path, QARL_CACHE_DIR=env["QARL_CACHE_DIR"])  # build the model once
-    procs = [subprocess.Popen([*QARL, "train", *TINY], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
-    for p in procs:
-        assert p.wait(timeout=600) == 0, p.stderr.read()[-2000:]
-    runs = list((tmp_path / "outputs").glob("*/*"))
-    assert len(runs) == 3 and len({r.name for r in runs}) == 3
+def test_two_runs_started_in_the_same_second_get_their_own_dirs(tmp_path, monkeypatch):
+    """The run directory is outputs/DATE/TIME-ID: two runs started in the same second (the clock held still
+    here) must still differ, by their ids, and each must hold its own run."""
+    from qarl_cli.config import registry
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("QARL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(registry.time, "strftime", lambda fmt, *args: "12-00-00")
+    assert main(["train", *TINY]) == 0
+    assert main(["train", *TINY, "seed=1"]) == 0
+    runs = sorted(tmp_path.glob("outputs/*/*"))
+    assert len(runs) == 2 and all(r.name.startswith("12-00-00-") for r in runs)
+    seeds = sorted((r / ".hydra" / "config.yaml").read_text().split("\nseed: ")[1].split("\n")[0] for r in runs)
+    assert seeds == ["0", "1"] and all((r / "summary.json").is_file() for r in runs)

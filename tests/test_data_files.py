@@ -163,3 +163,27 @@ def test_epoch_order_is_the_same_in_another_process():
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == epoch_order(50, 7, 2)
+
+
+def test_a_file_stream_resumes_at_any_position_across_epochs(tmp_path):
+    """A resumed run restarts the stream at position step * prompts_per_step: from any position, the same problems
+    as the uninterrupted stream, across epoch boundaries; epoch e visits the training problems in the order
+    epoch_order(n, seed, e)."""
+    from itertools import islice
+
+    from qarl_cli.config.data import FileDataConfig
+    from qarl_cli.data.splits import load_splits
+
+    path = _write(tmp_path / "seven.jsonl", [{"problem": f"{i}*3?", "answer": str(3 * i)} for i in range(7)])
+    cfg = FileDataConfig(path=path, test_size=2)
+    source = load_splits(cfg, seed=3)
+    held = {p.prompt for p in source.test}
+    train = [p for p in load_problems(path, source="file") if p.prompt not in held]  # 5, in file order
+    assert len(held) == 2 and len(train) == 5
+    straight = list(islice(source.train_stream(), 17))  # 3 epochs and 2 problems
+    expected = [train[i] for e in range(4) for i in epoch_order(5, 3, e)][:17]
+    assert [p.prompt for p in straight] == [p.prompt for p in expected]
+    assert [p.prompt for p in straight[:5]] != [p.prompt for p in straight[5:10]]  # reshuffled per epoch
+    for start in (1, 4, 5, 6, 10, 12):
+        resumed = list(islice(load_splits(cfg, seed=3).train_stream(start), 17 - start))
+        assert [p.prompt for p in resumed] == [p.prompt for p in straight[start:]], start

@@ -174,4 +174,9 @@ def test_gpu_engine_serves_the_gpu_only_schemes(tmp_path, name):
     aligned, bf16 = diff(model(True)), diff(model(False))
     print(f"{name}: aligned mean {aligned.mean():.2e} max {aligned.max():.2e}; "
           f"bf16 mean {bf16.mean():.2e} max {bf16.max():.2e}")
-    assert aligned.mean() < bf16.mean()
+    # The aligned forward holds the engine's own low-bit weights: what is left is bf16 kernel rounding (Marlin,
+    # CUTLASS against torch), well below the weight quantization error the bf16 forward also carries (int4 groups
+    # of 128, e4m3 blocks). So not just lower: at most half on average, and lower on the typical token too.
+    assert aligned.mean() * 2 <= bf16.mean()
+    assert aligned.median() < bf16.median()
+    assert len(aligned) == N_PROMPTS * (PROMPT_LEN - 1 + NEW_TOKENS)  # every prompt and sampled token compared

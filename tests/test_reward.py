@@ -1,7 +1,7 @@
 """reward=math_verify: answer equivalence (a table written by hand), deadlines, dead workers, rewards, metrics."""
 
 import random
-import time
+import signal
 
 import pytest
 
@@ -18,8 +18,7 @@ SUM = "\\boxed{" + "+".join(["1"] * 5000) + "}"
 # math-verify without a deadline computes 9^387420489 for minutes (measured: still running after 100 s).
 TOWER = "\\boxed{9^{9^{9}}}"
 
-# (gold, completion, acceptable statuses). One status where the answer is settled; for adversarial inputs that
-# are equal but too costly to check, "equal or given up at the deadline" (never wrong, never a hang).
+# (gold, completion, acceptable statuses). One status where the answer is settled; two for random text.
 TABLE = [
     ("42", r"\boxed{42}", {"correct"}),
     ("42", "The answer is 42.", {"correct"}),
@@ -75,11 +74,6 @@ TABLE = [
     ("}{", r"\boxed{1}", {"bad_gold"}),
     ("42", GARBAGE, {"wrong", "no_answer"}),
     ("42", GARBAGE + r" so \boxed{42}", {"correct"}),
-    # Equal to their gold, but how far math-verify gets with them before the deadline depends on the machine's
-    # speed: seen here as a timeout at 3.0 s in one run and as "wrong" at 2.2 s in another (the parse gives up).
-    # What must hold is that they end within the deadline without killing the pool (test_deadline_bounds_every_sample).
-    ("3", NESTED, {"correct", "wrong", "timeout"}),
-    ("5000", SUM, {"correct", "wrong", "timeout"}),
     ("3", TOWER, {"timeout"}),
 ]
 
@@ -116,19 +110,39 @@ def test_table_rewards_follow_statuses(table_result):
 
 
 def test_deadline_bounds_every_sample(table_result):
-    """The power tower would run for minutes; it comes back as a timeout within timeout_s + kill_grace_s."""
+    """The power tower would run for minutes; it comes back as a timeout, after its deadline (no earlier), and is
+    the only one: every other row is settled in milliseconds, far inside timeout_s."""
     cfg = MathVerifyRewardConfig()
     tower = next(i for i, (_, c, _) in enumerate(TABLE) if c == TOWER)
-    assert table_result.details[tower].status == "timeout"
-    assert max(d.seconds for d in table_result.details) < cfg.timeout_s + cfg.kill_grace_s + 0.5
+    assert [i for i, d in enumerate(table_result.details) if d.status == "timeout"] == [tower]
+    assert table_result.details[tower].seconds >= cfg.timeout_s
+
+
+@pytest.fixture(scope="module")
+def short_deadline():
+    with MathVerifyReward(MathVerifyRewardConfig(num_workers=1, timeout_s=0.1, kill_grace_s=0.5)) as s:
+        yield s
+
+
+def test_costly_equal_answers_end_at_the_deadline_and_the_pool_goes_on(short_deadline):
+    """Equal to their gold but costly for math-verify: with no deadline it works on them for seconds (the sum)
+    to minutes (the nesting), then calls them wrong. With a deadline of 0.1 s, tens of times shorter, they come
+    back as timeouts at or after it, and the next sample is scored as usual."""
+    res = short_deadline.score([NESTED, SUM, r"\boxed{7}"], ["3", "5000", "7"])
+    assert [d.status for d in res.details] == ["timeout", "timeout", "correct"]
+    assert all(d.seconds >= 0.1 for d in res.details[:2])
+    assert res.rewards == [0.0, 0.0, 1.0]
 
 
 def test_hung_worker_is_killed_and_replaced(hooked):
-    t = time.monotonic()
+    """A worker stuck where SIGALRM cannot reach (the hang would last an hour) is killed by the parent once
+    timeout_s + kill_grace_s have passed, and a new worker scores what follows."""
+    hooked.score([r"\boxed{1}"], ["1"])  # the worker is up
+    stuck = hooked._workers[0].proc
     res = hooked.score([TEST_HANG, r"\boxed{2}"], ["1", "2"])
-    assert time.monotonic() - t < 60  # the hang alone would take an hour
-    assert [d.status for d in res.details] == ["timeout", "correct"]
-    assert 1.5 <= res.details[0].seconds < 2.5  # killed at timeout_s + kill_grace_s, SIGALRM being blocked
+    assert [d.status for d in res.details] == ["timeout", "correct"]  # cut, not waited out (it would say wrong)
+    assert res.details[0].seconds >= hooked.cfg.timeout_s + hooked.cfg.kill_grace_s  # not before the deadline
+    assert stuck.exitcode == -signal.SIGKILL and hooked._workers[0].proc is not stuck
     assert res.rewards == [-0.75, 1.0]
     again = hooked.score([r"\boxed{3}"], ["3"])
     assert [d.status for d in again.details] == ["correct"]
@@ -160,11 +174,15 @@ def test_empty_batch_and_length_mismatch(scorer):
 
 
 def test_close_is_prompt_and_final():
-    s = MathVerifyReward(MathVerifyRewardConfig(num_workers=1))
-    t = time.monotonic()
+    """close() stops every worker, a busy one too: one stuck for an hour with SIGALRM blocked is killed, not
+    waited for. A second close is a no-op; scoring after close is an error."""
+    s = MathVerifyReward(MathVerifyRewardConfig(num_workers=1, timeout_s=600.0), _test_hooks=True)
+    assert s.score([r"\boxed{1}"], ["1"]).rewards == [1.0]  # the worker is up
+    worker = s._workers[0]
+    worker.conn.send((TEST_HANG, "1"))  # it takes the task at once and hangs in it
     s.close()
     s.close()
-    assert time.monotonic() - t < 5
+    assert not worker.proc.is_alive() and worker.proc.exitcode == -signal.SIGKILL
     with pytest.raises(RuntimeError, match="after close"):
         s.score([r"\boxed{1}"], ["1"])
 
