@@ -9,7 +9,6 @@ output in memory at a time) into a hidden temporary directory that is renamed in
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional, Union
 import torch
 from torch import nn
 
-from qarl_cli.config.errors import ConfigError
+from qarl_cli.config.errors import ConfigError, UserError
 from qarl_cli.quant.aligned import AlignedLinear
 from qarl_cli.quant.base import Scheme
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
@@ -112,6 +111,8 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     from rich.progress import Progress
     from safetensors.torch import save_file
 
+    from qarl_cli import scratch
+
     src, out = Path(src), Path(out)
     if out.exists() and not overwrite:
         raise ConfigError(f"out={str(out)!r} already exists; pass overwrite=true to replace it")
@@ -120,18 +121,18 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     start = time.time()
     plan = plan_for(load_meta_model(src, trust_remote_code), scheme)
     files = shard_files(src)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    scratch.sweep(out.parent, f".{out.name}.old-")  # what a killed writer left: removed if its process is dead
+    tmp: Optional[Path] = None
     weight_map: dict[str, str] = {}
     done: set[str] = set()
     nbytes = 0
     try:
+        tmp = scratch.make(out.parent, f".{out.name}.tmp-")
         names = {f: _keys(src / f) for f in files}
         with Progress(disable=not progress) as bar:
             task = bar.add_task(f"quantize {scheme.name}", total=sum(map(len, names.values())))
             for file in files:
-                shard = _read_shard(src / file, names[file], done, lambda: bar.advance(task))
+                shard = _read_shard(src, file, names[file], done, lambda: bar.advance(task))
                 tensors = dict(quantized_state(shard, scheme, plan))
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, file))
@@ -142,35 +143,57 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
             raise ConfigError(f"model.path={str(src)!r}: the checkpoint lacks {len(missing)} of the weights to "
                               f"quantize (e.g. {missing[0]}); its tensor names are not transformers' names")
         _write_metadata(src, tmp, scheme, plan, weight_map, nbytes)
-        if out.is_dir():
-            shutil.rmtree(out)
-        elif out.exists():
-            out.unlink()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:  # the existence check holds at the rename: a writer that finished first into `out` keeps it
+            scratch.publish(tmp, out, replace=overwrite)
+        except FileExistsError:
+            raise ConfigError(f"out={str(out)!r} was created by another writer while this one ran; it is kept as "
+                              "that writer left it and nothing was written (overwrite=true replaces it)") from None
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _disk_full(e):
+            raise UserError(f"out={str(out)!r}: no space left on its file system while writing the checkpoint "
+                            f"({_first_line(e)}); nothing was written (the input's weights: {_size(src)} MiB)"
+                            ) from None
         raise
     return {"scheme": scheme.name, "out": str(out), "quantized": len(plan.quantized), "kept": list(plan.kept),
             "shards": len(files), "weights_bytes": nbytes, "seconds": round(time.time() - start, 1)}
 
 
 def _keys(path: Path) -> list[str]:
-    from safetensors import safe_open
+    from qarl_cli.models.integrity import open_safetensors
 
-    with safe_open(str(path), framework="pt") as reader:
+    with open_safetensors(path) as reader:  # a missing, truncated or damaged shard: one line naming it
         return list(reader.keys())
 
 
-def _read_shard(path: Path, keys: list[str], seen: set[str], advance: Callable[[], None]
+def _read_shard(src: Path, file: str, keys: list[str], seen: set[str], advance: Callable[[], None]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """One shard's tensors, one at a time."""
-    from safetensors import safe_open
+    """One shard's tensors, one at a time, each checked to be finite (NaN/inf: one line naming it)."""
+    from qarl_cli.models.integrity import read_tensors
 
-    with safe_open(str(path), framework="pt") as reader:
-        for key in keys:
-            seen.add(key)
-            yield key, reader.get_tensor(key)
-            advance()
+    for key, tensor in read_tensors(src / file, keys, what=f"model.path={str(src)!r}, {file}"):
+        seen.add(key)
+        yield key, tensor
+        advance()
+
+
+def _disk_full(e: BaseException) -> bool:
+    """An OSError ENOSPC/EDQUOT, or safetensors' error for one (it reports the OS error in its message)."""
+    import errno
+
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return type(e).__name__ == "SafetensorError" and any(f"(os error {n})" in str(e)
+                                                         for n in (errno.ENOSPC, errno.EDQUOT))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _size(src: Path) -> int:
+    return max(1, round(sum(p.stat().st_size for p in src.glob("*.safetensors")) / 2**20))
 
 
 def _write_metadata(src: Path, tmp: Path, scheme: Scheme, plan: CheckpointPlan, weight_map: dict[str, str],

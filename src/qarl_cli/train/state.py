@@ -52,6 +52,10 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source:
     optimizer = learner.dist.optimizer_state(model, learner.optimizer)
     if not learner.dist.main:
         return final
+    from qarl_cli.models.integrity import require_finite  # a diverged run's weights: nothing is written
+
+    require_finite((model.state_dict() if weights is None else weights).items(), f"checkpoint {final} not "
+                   "written", "; the training diverged: resume from an earlier checkpoint with a lower lr")
     tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
