@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -25,24 +26,29 @@ from qarl_cli.stages import StageUnavailable
 NAME = "rollout=vllm"
 
 
+SCRATCH_PREFIX = "qarl-engine-"
+
+
 def _scratch_dir(workdir: Optional[Path]) -> Path:
+    """The engine's scratch directory, named after this process (qarl_cli.scratch): those of dead processes (a
+    SIGKILL, a crash) under the same parent are removed first."""
+    from qarl_cli import scratch
+
     if workdir is not None:
-        Path(workdir).mkdir(parents=True, exist_ok=True)
-        return Path(tempfile.mkdtemp(prefix="engine-", dir=workdir))
+        return scratch.make(Path(workdir), SCRATCH_PREFIX)
     shm = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix="qarl-engine-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK)
-                                 else None))
+    return scratch.make(shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir()),
+                        SCRATCH_PREFIX)
 
 
 def checkpoint_spec(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """name -> (shape, dtype) of a safetensors checkpoint, read from the headers only."""
-    from safetensors import safe_open
-
+    from qarl_cli.models.integrity import open_safetensors
     from qarl_cli.quant.checkpoint import shard_files
 
     spec = {}
     for file in shard_files(path):
-        with safe_open(str(path / file), framework="pt") as reader:
+        with open_safetensors(path / file) as reader:  # missing or truncated: one line naming the file
             for key in reader.keys():
                 piece = reader.get_slice(key)
                 dtype = getattr(torch, {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
@@ -72,22 +78,39 @@ class VLLMEngine:
         # tensors sent through its RPC arrive as buffers that its own workers' queue cannot pickle again.
         self.by_file = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401
         except ImportError as e:
             raise StageUnavailable(f"rollout=vllm: vLLM is not installed ({e}); use rollout=torch") from None
-        from qarl_cli.quant.checkpoint import load_meta_model, plan_for, write_checkpoint
+        from qarl_cli.quant.checkpoint import load_meta_model, plan_for
 
         self.cfg, self.scheme, self.weights = cfg, scheme, weights
         self.plan = plan_for(load_meta_model(Path(model_dir)), scheme)
+        self.llm = None
         self.scratch = _scratch_dir(workdir)
+        # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.signals turns
+        # SIGTERM into one), or when start-up fails; after a SIGKILL, by the next engine's start-up sweep.
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
+        try:
+            self._start(Path(model_dir), scheme, weights, dtype, seed, max_model_len, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model_dir: Path, scheme: Any, weights: str, dtype: str, seed: int,
+               max_model_len: Optional[int], device: str) -> None:
+        from vllm import LLM
+
+        from qarl_cli.quant.checkpoint import write_checkpoint
+
+        cfg = self.cfg
         start = time.perf_counter()
         if scheme.quantizes_weights:
             served = self.scratch / "checkpoint"
-            write_checkpoint(Path(model_dir), served, scheme, progress=False)
+            write_checkpoint(model_dir, served, scheme, progress=False)
         else:
-            served = Path(model_dir)
+            served = model_dir
         # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
-        self.spec = checkpoint_spec(served if weights == "prequantized" else Path(model_dir))
+        self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
         on_gpu = torch.cuda.is_available() and device != "cpu"
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
                   else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
@@ -168,9 +191,11 @@ class VLLMEngine:
         them on shutdown, so a process serves one live engine at a time: close one before starting the next."""
         import gc
 
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
-        shutil.rmtree(self.scratch, ignore_errors=True)
+        llm, self.llm = getattr(self, "llm", None), None
+        try:
+            if llm is not None:
+                llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+        finally:
+            self._remove_scratch()
