@@ -165,6 +165,54 @@ def test_epoch_order_is_the_same_in_another_process():
     assert json.loads(out) == epoch_order(50, 7, 2)
 
 
+def test_a_byte_that_is_not_utf8_is_reported_with_its_line_and_column(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    first = "\ufeff" + json.dumps({"question": "q", "answer": "#### 1"}) + "\n"  # a byte-order mark is fine
+    bad = '{"question": "Caf\xe9 bill?", "answer": "#### 2"}\n'.encode("latin1")  # é at column 18
+    path.write_bytes(first.encode() + b"\n" + bad)
+    with pytest.raises(DataError) as err:
+        load_problems(str(path))
+    assert str(err.value).startswith(f"{path}, line 3: not UTF-8 text (byte 0xe9 at column 18)")
+    path.write_bytes(first.encode())
+    assert load_problems(str(path)) == [Problem(prompt="q", answer="1", source="latin1")]
+
+
+def test_each_problem_knows_its_file_and_line(tmp_path):
+    jsonl = _write(tmp_path / "a.jsonl", CASES["gsm8k"][0])
+    jsonl_text = open(jsonl).read()
+    open(jsonl, "w").write("\n" + jsonl_text)  # a blank first line: the records are on lines 2 and 3
+    assert [p.origin for p in load_problems(jsonl)] == [f"{jsonl}, line 2", f"{jsonl}, line 3"]
+    parquet = _write(tmp_path / "b.parquet", CASES["aime"][0][:1] * 2)
+    assert [p.origin for p in load_problems(parquet)] == [f"{parquet}, row 1", f"{parquet}, row 2"]
+    from qarl_cli.data.arith import make
+
+    assert make("1+2", 1).origin == ""  # generated
+
+
+def test_the_held_out_split_must_leave_problems_on_both_sides(tmp_path):
+    from qarl_cli.config.data import ArithDataConfig, FileDataConfig
+    from qarl_cli.config.errors import ConfigError
+    from qarl_cli.data.splits import load_splits
+
+    records = [{"question": f"{i}+1?", "answer": f"#### {i + 1}"} for i in range(5)]
+    path = _write(tmp_path / "five.jsonl", records)
+    every = load_problems(path, source="file")  # load_splits names them by the data option
+    for size in (1, 2, 4):  # held out: `size` of them, the rest trained on, together the whole file
+        source = load_splits(FileDataConfig(path=path, test_size=size), seed=0)
+        assert len(source.test) == size and len(source.train) == 5 - size
+        assert sorted(p.prompt for p in source.test + source.train) == sorted(p.prompt for p in every)
+    with pytest.raises(ConfigError, match=f"^data.test_size=0: the test split of data.path={path} is empty"):
+        load_splits(FileDataConfig(path=path, test_size=0), seed=0)
+    for size in (5, 6, 500):
+        with pytest.raises(ConfigError, match=f"^data.test_size={size}: data.path={path} has 5 problems, and "
+                                              "holding out 5 for the test split leaves none to train on"):
+            load_splits(FileDataConfig(path=path, test_size=size), seed=0)
+        # qarl eval trains on nothing: a test_size covering the file evaluates all of it
+        assert load_splits(FileDataConfig(path=path, test_size=size), seed=0, train=False).test == every
+    with pytest.raises(ConfigError, match="^data.test_size=0: the test split of data=arith is empty"):
+        load_splits(ArithDataConfig(test_size=0), seed=0)
+
+
 def test_a_file_stream_resumes_at_any_position_across_epochs(tmp_path):
     """A resumed run restarts the stream at position step * prompts_per_step: from any position, the same problems
     as the uninterrupted stream, across epoch boundaries; epoch e visits the training problems in the order
