@@ -50,15 +50,16 @@ def test_cfg_job_prints_the_experiment(tmp_path):
 
 
 def test_unimplemented_stage_says_so(tmp_path, capsys, monkeypatch):
-    """An option that composes but has no implementation (as a plugin's would, before it is installed)."""
-    from qarl_cli import stages
+    """An option whose implementation needs a package that is not installed (as a plugin's engine would)."""
+    from qarl_cli.config.stages import TorchRolloutConfig
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(stages.IMPLEMENTATIONS, "rollout", {"vllm": stages.IMPLEMENTATIONS["rollout"]["vllm"]})
+    monkeypatch.setattr(TorchRolloutConfig, "impl", "qarl_plugin_not_installed.engine:Engine")
     assert main(["eval", "rollout=torch", "model.warm_start_steps=0", "model.num_layers=1"]) == 1
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if "error:" in line]  # (transformers' progress bars also go there)
-    assert len(errors) == 1 and "rollout=torch" in errors[0] and "Traceback" not in err
+    assert len(errors) == 1 and "rollout=torch" in errors[0] and "qarl_plugin_not_installed" in errors[0]
+    assert "Traceback" not in err
 
 
 # The smallest real run; the embedded engine starts in a second (vLLM runs are covered by test_train).

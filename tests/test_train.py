@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +30,12 @@ def _train(run_dir, *args, timeout=600):
 
 def _metrics(run_dir):
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}  # a step logged twice (killed, then resumed) keeps its last line
+    return {r["step"]: r for r in rows}
+
+
+def _logged_steps(run_dir):
+    """The step of every metrics.jsonl line, repeats included."""
+    return [json.loads(line)["step"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.slow
@@ -73,23 +77,49 @@ def test_plot_draws_the_eval_curves_a_run_logged(tmp_path):
     assert (tmp_path / "curves.png").is_file()
 
 
+# `python -c KILL_AT_ROLLOUT_AFTER FILE N train ...`: qarl train that SIGKILLs itself in the N-th rollout
+# (rollout=vllm) that starts once FILE exists.
+KILL_AT_ROLLOUT_AFTER = """
+import os, signal, sys
+from pathlib import Path
+from qarl_cli.cli import main
+from qarl_cli.rollout.vllm_engine import VLLMEngine
+marker, n, generate, seen = Path(sys.argv[1]), int(sys.argv[2]), VLLMEngine.generate, []
+def generate_or_die(self, *args, **kwargs):
+    if marker.is_file():
+        seen.append(1)
+        if len(seen) == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return generate(self, *args, **kwargs)
+VLLMEngine.generate = generate_or_die
+sys.exit(main(sys.argv[3:]))
+"""
+
+
 @pytest.mark.slow
 def test_resume_after_sigkill_reaches_the_uninterrupted_metrics(tmp_path):
     args = ["steps=4", "checkpoint_every=2", "eval_every=0"]
     _train(tmp_path / "straight", *args)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([*QARL, *SMALL, f"hydra.run.dir={killed}", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, env=os.environ)
     ckpt = killed / "checkpoints" / "step_000002" / "trainer.pt"
-    deadline = time.time() + 600
-    while not ckpt.is_file() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)  # in step 3: rollout, reward or update
-    proc.wait()
+    # The run kills itself in step 4's rollout: the second one after checkpoint 2 is complete (whatever the
+    # speed), so step 3 is logged but not checkpointed, and will run again.
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_ROLLOUT_AFTER, str(ckpt), "2", "train", *SMALL,
+                           f"hydra.run.dir={killed}", *args], capture_output=True, text=True, timeout=600,
+                          env=os.environ)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert ckpt.is_file() and not (killed / "checkpoints" / "step_000004").exists()
+    assert _logged_steps(killed) == [1, 2, 3]  # step 3 logged, step 4 not
+    partial = killed / "checkpoints" / ".step_000003.tmp-999999"  # what a kill during a checkpoint write leaves
+    partial.mkdir()
+    record = (killed / ".hydra" / "config.yaml").read_text()
+    changed = subprocess.run([*QARL, *SMALL, f"hydra.run.dir={killed}", *args, "resume=true", "lr=1e-3"],
+                             capture_output=True, text=True, timeout=600, env=os.environ)
+    assert changed.returncode == 2 and "lr=0.001 (was 0.002)" in changed.stderr, changed.stderr[-2000:]
     _train(killed, *args, "resume=true")
+    assert _logged_steps(killed) == [1, 2, 3, 4]  # step 3's first record went with the steps it undid
+    assert not partial.exists() and (killed / ".hydra" / "config.yaml").read_text() == record
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(killed)
-    assert sorted(resumed) == [1, 2, 3, 4]
     gaps = {}
     for step in (3, 4):
         assert set(straight[step]) == set(resumed[step])
@@ -113,25 +143,25 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
     from qarl_cli.config.model import TinyModelConfig
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.models.tiny import ensure_tiny_model
-    from qarl_cli.objectives import get_objective
     from qarl_cli.rollout.base import RolloutBatch
+    from qarl_cli.stages import resolve
     from qarl_cli.train.learner import Learner
     from qarl_cli.train.sequences import pack
 
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path), warm_start_steps=0, num_layers=1),
                             log=lambda _: None)
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    learner = Learner(model, TrainConfig(), get_objective("tbpo"), torch.device("cpu"))
+    learner = Learner(model, TrainConfig(), resolve("algorithm", "tbpo"), torch.device("cpu"))
     batch = RolloutBatch([0, 0, 1, 1], [[5, 6], [7], [8, 9, 10], [11]], [[-1.0, -2.0], [-1.5], [-1, -1, -1], [-3.0]],
                          ["length"] * 4)
     seqs = pack([[3, 4], [3, 4, 5]], batch)
     old = learner.old_logprobs(seqs)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    metrics, _ = learner.update(seqs, old, torch.tensor([1.0, float("nan"), -1.0, 1.0]), TBPOConfig(), seed=0)
-    assert metrics["update/skipped_steps"] == 1
+    metrics = learner.update(seqs, old, torch.tensor([1.0, float("nan"), -1.0, 1.0]), TBPOConfig(), seed=0)
+    assert metrics["update/skipped_steps"] == 1 and metrics["update/optimizer_steps"] == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    metrics, _ = learner.update(seqs, old, torch.tensor([1.0, -1.0, -1.0, 1.0]), TBPOConfig(), seed=0)
-    assert metrics["update/skipped_steps"] == 1  # a finite step goes through
+    metrics = learner.update(seqs, old, torch.tensor([1.0, -1.0, -1.0, 1.0]), TBPOConfig(), seed=0)
+    assert metrics["update/skipped_steps"] == 1 and metrics["update/optimizer_steps"] == 1  # a finite step goes through
     assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -155,36 +185,113 @@ def test_paper_experiment_dry_run_on_the_tiny_moe(tmp_path):
     assert list((run / "wandb").glob("offline-run-*"))  # the preset's logger
 
 
-def test_a_stage_failing_mid_run_stops_in_one_line_after_a_final_checkpoint(tmp_path, monkeypatch):
-    """Fault injection: the engine's generate raises at the third step (as a dead vLLM would). The run stops
-    with StageFailed naming the stage, after checkpointing step 2; the traceback goes to error.log."""
+def _small_cfg(*extra):
     from hydra import compose, initialize_config_dir
 
     from qarl_cli.config.registry import conf_dir, register, validate
-    from qarl_cli.rollout.torch_engine import TorchEngine
-    from qarl_cli.train import loop
 
     register()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        cfg = validate(compose(config_name="train", overrides=[*SMALL, "rollout=torch", "steps=5", "eval_every=0",
-                                                               "checkpoint_every=0"]), "train")
+        return validate(compose(config_name="train", overrides=[*SMALL, "rollout=torch", "steps=5", "eval_every=0",
+                                                                "checkpoint_every=0", *extra]), "train")
+
+
+def _fail_generate_at(monkeypatch, call, error):
+    from qarl_cli.rollout.torch_engine import TorchEngine
+
     calls = {"n": 0}
     generate = TorchEngine.generate
 
     def flaky(self, *args, **kwargs):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise MemoryError("out of memory (injected)")
+        if calls["n"] == call:
+            raise error
         return generate(self, *args, **kwargs)
 
     monkeypatch.setattr(TorchEngine, "generate", flaky)
-    with pytest.raises(loop.StageFailed) as err:
+
+
+def test_a_stage_failing_mid_run_stops_in_one_line_after_a_final_checkpoint(tmp_path, monkeypatch):
+    """Fault injection: the engine's generate raises a known failure at the third step (out of memory, as a dead
+    vLLM would). The run stops with StageFailed naming the stage, after checkpointing step 2; the traceback goes
+    to error.log."""
+    from qarl_cli.train import failures, loop
+
+    cfg = _small_cfg()
+    _fail_generate_at(monkeypatch, 3, MemoryError("out of memory (injected)"))
+    with pytest.raises(failures.StageFailed) as err:
         loop.train(cfg, tmp_path)
     message = str(err.value)
-    assert "stage rollout failed (MemoryError: out of memory (injected))" in message and "\n" not in message
+    assert "rollout failed at step 3 (MemoryError: out of memory (injected))" in message and "\n" not in message
     assert "step_000002" in message and (tmp_path / "checkpoints" / "step_000002" / "trainer.pt").is_file()
+    assert f"resume with resume={tmp_path}" in message
     assert "MemoryError" in (tmp_path / "error.log").read_text()
     assert sorted(_metrics(tmp_path)) == [1, 2]
+
+
+def test_a_bug_mid_run_keeps_its_traceback_and_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """A TypeError is a bug in qarl, not bad input: it propagates as itself (the CLI prints its traceback), after
+    the same final checkpoint and error.log, and one line on stderr says what was kept."""
+    from qarl_cli.train import loop
+
+    cfg = _small_cfg()
+    _fail_generate_at(monkeypatch, 2, TypeError("unsupported operand (injected)"))
+    with pytest.raises(TypeError, match="injected"):
+        loop.train(cfg, tmp_path)
+    assert (tmp_path / "checkpoints" / "step_000001" / "trainer.pt").is_file()
+    assert "TypeError" in (tmp_path / "error.log").read_text()
+    assert "a bug in qarl" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_in_one_line_and_keeps_the_last_step(tmp_path, monkeypatch):
+    from qarl_cli.train import failures, loop
+
+    cfg = _small_cfg()
+    _fail_generate_at(monkeypatch, 3, KeyboardInterrupt())
+    with pytest.raises(failures.Interrupted) as err:
+        loop.train(cfg, tmp_path)
+    assert str(err.value).startswith("interrupted at step 2 (during rollout); checkpoint ")
+    assert (tmp_path / "checkpoints" / "step_000002" / "trainer.pt").is_file()
+
+
+def test_a_full_disk_at_a_checkpoint_names_the_checkpoint_and_suggests_only_what_exists(tmp_path, monkeypatch):
+    """The first checkpoint write fails as on a full disk (the write is made to fail: no disk is filled here).
+    The error names the checkpoint, not the stage before it, and offers no resume: no checkpoint exists."""
+    import errno
+
+    from qarl_cli.train import failures, loop, state
+
+    cfg = _small_cfg("steps=3", "checkpoint_every=2")
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(state, "save", full)
+    with pytest.raises(failures.StageFailed) as err:
+        loop.train(cfg, tmp_path)
+    message = str(err.value)
+    assert message.startswith("checkpoint failed at step 2 (OSError: [Errno 28] No space left on device)")
+    assert "no earlier checkpoint exists" in message and "resume" not in message
+
+
+def test_no_signal_steps_advance_the_schedule_and_push_nothing(tmp_path, monkeypatch):
+    """A step whose groups all got equal rewards trains nothing: its lr schedule still advances (the schedule
+    follows RL steps), and the unchanged weights are not pushed to the engine again."""
+    from qarl_cli.reward.base import RewardResult, SampleDetail
+    from qarl_cli.reward.math_verify import MathVerifyReward
+    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.train import loop
+
+    cfg = _small_cfg("steps=3", "warmup_steps=0", "lr_schedule=cosine")
+    monkeypatch.setattr(MathVerifyReward, "score", lambda self, texts, golds: RewardResult(
+        [0.0] * len(texts), [SampleDetail("wrong", False, 0.0)] * len(texts)))
+    pushes = []
+    monkeypatch.setattr(InplaceSync, "push", lambda self, model, engine: pushes.append(1) or {})
+    loop.train(cfg, tmp_path)
+    records = _metrics(tmp_path)
+    assert pushes == [] and all(records[s]["advantage/signal_frac"] == 0.0 for s in (1, 2, 3))
+    ckpt = torch.load(tmp_path / "checkpoints" / "step_000003" / "trainer.pt", weights_only=False)
+    assert ckpt["scheduler"]["last_epoch"] == 3
 
 
 def _weights(ckpt):
@@ -253,3 +360,47 @@ def test_fsdp_with_vllm_on_rank_0_matches_one_process(tmp_path):
         assert m2[step]["sync/verify_gap_mean"] < 1e-2  # the child engine serves the trainer's weights
     ckpt = lambda run_dir: run_dir / "checkpoints" / "step_000002"  # noqa: E731
     assert _max_diff(_weights(ckpt(tmp_path / "one")), _weights(ckpt(tmp_path / "two"))) < 1e-6
+
+
+def _tagged(tag):
+    """PIDs of live processes whose environment carries QARL_TEST_TAG=tag (children inherit it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"QARL_TEST_TAG={tag}".encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            pass  # gone, or not ours to read
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_run_stops_in_one_line_keeps_the_step_and_leaves_no_process(tmp_path, sig):
+    """Ctrl-C (SIGINT) or SIGTERM during a real run with the in-process vLLM engine: one line on stderr (no
+    traceback from inside vLLM), the trained step checkpointed, and no process of the run left behind."""
+    import uuid
+
+    tag = uuid.uuid4().hex
+    run = tmp_path / "run"
+    proc = subprocess.Popen([*QARL, *SMALL, f"hydra.run.dir={run}", "steps=200", "eval_every=0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "QARL_TEST_TAG": tag})
+    for line in proc.stdout:
+        if "step 1/200" in line:
+            break
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + sig, err[-3000:]  # the shell's code for a process ended by the signal
+    assert "Traceback" not in err, err[-3000:]
+    how = "interrupted" if sig == signal.SIGINT else "terminated by SIGTERM"
+    stopped = [ln for ln in err.splitlines() if " at step " in ln]
+    assert len(stopped) == 1 and stopped[0].startswith(f"qarl train: error: {how} at step "), err[-2000:]
+    assert f"resume with resume={run}" in stopped[0] and state_latest(run) is not None
+    assert _tagged(tag) == []
+
+
+def state_latest(run):
+    from qarl_cli.train.state import latest
+
+    return latest(run)

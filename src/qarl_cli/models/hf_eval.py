@@ -7,17 +7,12 @@ from collections import defaultdict
 
 from qarl_cli.config.data import ArithDataConfig
 from qarl_cli.data.base import Problem
+from qarl_cli.data.prompts import prompt_ids
 from qarl_cli.reward.boxed import last_boxed
 
 
 def user_messages(problems: list[Problem]) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": p.prompt}] for p in problems]
-
-
-def prompt_ids(tok, messages: list[list[dict[str, str]]]) -> list[list[int]]:
-    # Render with the chat template, then tokenize the batch at once (much faster than tokenizing per call).
-    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
-    return tok(texts, add_special_tokens=False)["input_ids"]
 
 
 def generate_texts(model, tok, messages: list[list[dict[str, str]]],

@@ -142,8 +142,13 @@ class Learner:
         return {**out, **mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask, algo_cfg.mismatch_cap)}
 
     def end_step(self) -> None:
-        """One RL step done (whether or not it had a learning signal): the LR schedule advances."""
-        self.scheduler.step()
+        """One RL step done (whether or not it had a learning signal): the LR schedule advances. torch warns when
+        the schedule steps before any optimizer step, which is what a first step without signal does on purpose."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()` before")
+            self.scheduler.step()
 
     def _clip(self) -> float:
         """Clip the gradients to a global norm of grad_clip (0: no clipping); returns the norm before clipping.

@@ -5,6 +5,7 @@ place when complete, so a run killed at any moment leaves only complete checkpoi
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -68,6 +69,9 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source:
                     "scheduler": learner.scheduler.state_dict(), "skipped": learner.skipped,
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}, **extra},
                    tmp / "trainer.pt")
+        from qarl_cli.train.rundir import CONFIG, config_dict
+
+        (tmp / CONFIG).write_text(json.dumps(config_dict(learner.cfg), indent=1) + "\n")  # what resume checks
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     except BaseException:
