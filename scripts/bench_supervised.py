@@ -1,12 +1,13 @@
 """How far can training move the embedded default's starting model within `make train`'s budget?
 
 Continues the warm start's own supervised loss (gold answers of the arith training stream) from the built tiny
-model for --steps steps of --batch problems with `qarl train`'s optimizers and schedule (warmup, then cosine to
-10 %; gradient clip 1), and measures the 500-problem test split before, halfway and at the end: greedy accuracy and avg@4 at
-temperature 1 (Hugging Face sampling of the fp32 model). Supervised training on the right answers is an upper
-reference for RL, which learns from its own samples and a 0/1 reward: if this cannot gain 10 points of avg@4 from a
-starting model in 180 steps, RL will not either. --final-lr picks the starting models: the warm start's lr at its
-end as a fraction of its peak (TinyModelConfig.warm_start_final_lr; 1.0 is the default, 0.1 the annealed one).
+model for --steps steps of --batch problems (the warm start's own step) with `qarl train`'s optimizers and
+schedule (warmup, then cosine to 10 %; gradient clip 1), and measures the default test split before, halfway and
+at the end: greedy accuracy and avg@4 at temperature 1 (Hugging Face sampling of the fp32 model). Supervised
+training on the right answers is an upper reference for RL, which learns from its own samples and a 0/1 reward:
+if this cannot gain 10 points of avg@4 from a starting model in 180 steps, RL will not either. --final-lr picks
+the starting models: the warm start's lr at its end as a fraction of its peak (TinyModelConfig.warm_start_final_lr;
+1.0 is the default, 0.1 the annealed one).
 
     .venv/bin/python scripts/bench_supervised.py [--final-lr 1.0,0.1] [--runs muon:2e-3,adamw:3e-4]
         [--steps 180] [--batch 64] [--out bench_supervised.json]
@@ -40,13 +41,12 @@ def continue_supervised(src: Path, optimizer: str, lr: float, steps: int, batch:
 
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.data import arith
-    from qarl_cli.models.warm_start import _batch
-    from qarl_cli.optim import build_optimizer
-    from qarl_cli.train.learner import lr_lambda
+    from qarl_cli.models.warm_start import default_test_split, supervised_step
+    from qarl_cli.optim import build_optimizer, lr_lambda
 
     tok = AutoTokenizer.from_pretrained(str(src))
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    test = arith.test_split(500, [1, 2, 3])
+    test = default_test_split()
     # qarl train's optimizer and schedule, with its default betas, weight decay and warmup
     betas = next(f for f in dataclasses.fields(TrainConfig) if f.name == "betas").default_factory()
     opt = build_optimizer(model, optimizer, lr, tuple(betas), TrainConfig.weight_decay)
@@ -56,12 +56,7 @@ def continue_supervised(src: Path, optimizer: str, lr: float, steps: int, batch:
     task = progress.add_task(f"{src.name} {optimizer} {lr:g}", total=steps)
     for step in range(1, steps + 1):
         model.train()
-        ids, labels, mask = _batch(tok, [next(stream) for _ in range(batch)])
-        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        supervised_step(model, tok, opt, sched, [next(stream) for _ in range(batch)])  # the warm start's step
         progress.advance(task)
         if step in (steps // 2, steps):
             points.append({"step": step, **measure(model, tok, test)})
