@@ -288,47 +288,6 @@ def test_tables_match_config_choices():
     assert get_objective("tbpo") is get_objective("gspo") is not get_objective("grpo") is get_objective("dapo")
 
 
-def _documented_defaults() -> dict[str, dict]:
-    """The table "Config keys and defaults" of docs/objectives.md: {objective: {key: default}}."""
-    from pathlib import Path
-
-    text = (Path(__file__).parents[1] / "docs" / "objectives.md").read_text()
-    lines = text.split("## Config keys and defaults", 1)[1].split("\n## ", 1)[0].splitlines()
-    header = [c.strip() for c in lines[2].strip().strip("|").split("|")]
-    assert header[2:] == ["tbpo", "gspo", "grpo", "dapo"], header
-
-    def value(cell: str):
-        cell = cell.strip().strip("`")
-        if cell in ("true", "false"):
-            return cell == "true"
-        try:
-            return float(cell)
-        except ValueError:
-            return cell
-
-    table: dict[str, dict] = {name: {} for name in header[2:]}
-    for line in lines:
-        cells = line.strip().strip("|").split("|")
-        if line.startswith("| `"):  # a config key (the ratio row, fixed by the name, is not one)
-            for name, cell in zip(header[2:], cells[2:]):
-                table[name][cells[0].strip().strip("`")] = value(cell)
-    return table
-
-
-def test_defaults_are_the_documented_ones():
-    """Every schema default is the value docs/objectives.md gives it, and every key but entropy_coef (off by
-    default, documented with the objective) is in that table."""
-    documented = _documented_defaults()
-    assert set(documented) == set(SCHEMAS)
-    for name, keys in documented.items():
-        cfg = SCHEMAS[name]()
-        fields = {f.name for f in dataclasses.fields(cfg)}
-        assert set(keys) == fields - {"entropy_coef"}, name
-        for key, want in keys.items():
-            assert getattr(cfg, key) == want, (name, key, getattr(cfg, key), want)
-        assert cfg.entropy_coef == 0.0
-
-
 @pytest.mark.parametrize("schema, field, value, message", [
     (TBPOConfig, "eps_low", -1e-4, "eps_low=-0.0001: must be in [0, 1)"),
     (TBPOConfig, "eps_neg_low", 1.0, "eps_neg_low=1.0: must be in [0, 1)"),
