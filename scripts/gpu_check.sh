@@ -25,6 +25,8 @@ exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false VLLM_ENABLE_V1_MULTIPROCESSING=0
 export PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# test_quant_triton.py runs beside the others here (compiled kernels, no interpreter): see tests/conftest.py
+export QARL_TRITON_ALONE=1
 export QARL_CACHE_DIR=${QARL_CACHE_DIR:-$PWD/.cache/qarl}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.cache/triton}
 # Compiled Triton: the kernels (and tests/test_quant_triton.py, which sets it only when CUDA is absent) read
