@@ -62,8 +62,8 @@ def seq_case(cfg):
     return run(cfg, lp, SEQ_OLD, rollout, SEQ_ADV, SEQ_MASK)
 
 
-def test_tbpo_by_hand():
-    loss, grad, metrics = seq_case(TBPOConfig())
+def test_tbpo_without_its_keep_mask_by_hand():
+    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), drop_outside_band=False))
     # g = [0.5 s0, 1.0 * 1.0004, -1.5 s2, -1.0 * 0.9997];  loss = -(1/4) sum_i w_i g_i
     #   = -(0.5 * 1.00020002000133 + 1.5 * 1.0004 - 2 * 1.5 * 1.00050012502084 - 0.25 * 0.9997) / 4
     close(loss, 0.31268134126546016)
@@ -78,8 +78,9 @@ def test_tbpo_by_hand():
     close(metrics["objective/mismatch_weight_clipped_frac"], 0.3)  # seq2's 3 tokens have raw weight 3 > 2
 
 
-def test_tbpo_drop_outside_band_by_hand():
-    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), drop_outside_band=True))
+def test_tbpo_by_hand_its_keep_mask_on_by_default():
+    assert TBPOConfig().drop_outside_band
+    loss, grad, metrics = seq_case(TBPOConfig())
     # band [1/2, 2]: seq2 (3) and seq3 (0.25) get weight 0 but still count among the 4 sequences
     # loss = -(0.5 * s0 + 1.5 * 1.0004) / 4 = -(0.500100010000667 + 1.5006) / 4
     close(loss, -0.5001750025001667)

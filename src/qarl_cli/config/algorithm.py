@@ -75,6 +75,11 @@ class TBPOConfig(AlgorithmConfig):
     eps_neg_high: float = 7e-4  # wider above 1 than eps_high: a negative sample may be pushed down a little further
     dual_clip: bool = True
     mismatch: str = "seq"
+    # TBPO's sequence keep mask: a sequence whose mismatch ratio leaves [1/C, C] (the sampler and the aligned
+    # learner disagree on it as a whole, e.g. a run of error tokens) is left out of the update, as TBPO's public
+    # code path (a verl fork's loss_mode="tbpo") applies it. One weight per sequence also means no token-level
+    # importance weights on top: mismatch is "seq", not "tis".
+    drop_outside_band: bool = True
 
 
 @dataclass

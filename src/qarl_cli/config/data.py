@@ -1,7 +1,7 @@
 """Schema of the `data` group: where problems come from and how they become prompts."""
 
 from dataclasses import dataclass, field
-from typing import ClassVar, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING
 
@@ -23,6 +23,10 @@ class DataConfig:
     # Prompt template: an optional system message, and an instruction appended to every problem.
     system_prompt: Optional[str] = None
     instruction: str = BOX_INSTRUCTION
+    # Extra variables of the tokenizer's chat template, e.g. {enable_thinking: false} for Qwen3 (an empty think
+    # block opens the answer) or true (the model thinks first; Qwen3's template default). Templates ignore
+    # variables they do not use. On the command line: +data.chat_template_kwargs.enable_thinking=false.
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     # How long a response may run (the run's max_new_tokens unless set there): room for a worked solution.
     max_new_tokens: int = 1024
 

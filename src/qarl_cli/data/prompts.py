@@ -4,7 +4,7 @@ steps, evaluation, the sync probe, `qarl eval`) goes through `encode`, so a prom
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from qarl_cli.config.errors import UserError
 from qarl_cli.data.base import Problem
@@ -21,16 +21,19 @@ def chat_messages(cfg: Any, problem: Problem) -> list[dict[str, str]]:
     return [*system, {"role": "user", "content": user}]
 
 
-def prompt_ids(tok: Any, messages: Sequence[list[dict[str, str]]]) -> list[list[int]]:
-    """Chat prompts rendered with the chat template (generation prompt added), tokenized as one batch (much
-    faster than one call per prompt)."""
-    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in messages]
+def prompt_ids(tok: Any, messages: Sequence[list[dict[str, str]]],
+               template_kwargs: Optional[Mapping[str, Any]] = None) -> list[list[int]]:
+    """Chat prompts rendered with the chat template (generation prompt added; `template_kwargs` are the template's
+    own variables, such as Qwen3's enable_thinking), tokenized as one batch (much faster than one call per
+    prompt)."""
+    extra = dict(template_kwargs or {})
+    texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **extra) for m in messages]
     return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
 
 def encode(tok: Any, cfg: Any, problems: Sequence[Problem]) -> list[list[int]]:
     """Token ids of each problem's prompt under the data config `cfg`."""
-    return prompt_ids(tok, [chat_messages(cfg, p) for p in problems])
+    return prompt_ids(tok, [chat_messages(cfg, p) for p in problems], getattr(cfg, "chat_template_kwargs", None))
 
 
 def check_lengths(prompts: Sequence[Sequence[int]], problems: Sequence[Problem], limit: int, max_new_tokens: int,

@@ -20,7 +20,7 @@ import torch
 
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch
-from qarl_cli.rollout.weights import checked
+from qarl_cli.rollout.weights import checked, tied_aliases, without_aliases
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
@@ -84,7 +84,9 @@ class VLLMEngine:
         from qarl_cli.quant.checkpoint import load_meta_model, plan_for
 
         self.cfg, self.scheme, self.weights = cfg, scheme, weights
-        self.plan = plan_for(load_meta_model(Path(model_dir)), scheme)
+        meta = load_meta_model(Path(model_dir))
+        self.plan = plan_for(meta, scheme)
+        self._meta = meta
         self.llm = None
         self.scratch = _scratch_dir(workdir)
         # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.signals turns
@@ -111,6 +113,9 @@ class VLLMEngine:
             served = model_dir
         # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
         self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
+        # A tied model's checkpoint stores the embedding once; the trainer sends it under both names.
+        self.aliases = tied_aliases(self._meta, self.spec)
+        del self._meta
         on_gpu = torch.cuda.is_available() and device != "cpu"
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
                   else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
@@ -159,7 +164,7 @@ class VLLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         from qarl_cli.rollout import vllm_reload
 
-        items = checked(weights, self.spec, NAME)
+        items = checked(without_aliases(weights, self.aliases, NAME), self.spec, NAME)
         if not items:
             return
         sent: Any = items

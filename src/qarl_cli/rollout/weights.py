@@ -19,6 +19,40 @@ def spec_of(items: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[tuple[
     return {name: (tuple(t.shape), t.dtype) for name, t in items}
 
 
+def tied_aliases(model: torch.nn.Module, served: Iterable[str]) -> dict[str, str]:
+    """alias -> name for the parameters `model` shares between names (tied embeddings: lm_head.weight is
+    model.embed_tokens.weight) where the served checkpoint stores only `name`. `model` may be on the meta device."""
+    served = set(served)
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            a, b = first[id(p)], name
+            if a in served and b not in served:
+                aliases[b] = a
+            elif b in served and a not in served:
+                aliases[a] = b
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+def without_aliases(weights: Iterable[tuple[str, torch.Tensor]], aliases: Mapping[str, str], engine: str
+                    ) -> list[tuple[str, torch.Tensor]]:
+    """The weights less the tied aliases the engine does not store (the trainer sends lm_head.weight of a tied
+    model: one tensor under two names). An alias whose values differ from its tensor's is refused: the served
+    model cannot hold two different matrices there."""
+    items = list(weights)
+    if not aliases:
+        return items
+    sent = dict(items)
+    for alias, name in aliases.items():
+        if alias in sent and name in sent and not torch.equal(sent[alias], sent[name]):
+            raise WeightSyncError(f"{engine}: weight {alias!r} differs from {name!r}, which the served model ties "
+                                  "it to (tie_word_embeddings); the engine kept its old weights")
+    return [(n, t) for n, t in items if n not in aliases or aliases[n] not in sent]
+
+
 def checked(weights: Iterable[tuple[str, torch.Tensor]], spec: Spec, engine: str
             ) -> list[tuple[str, torch.Tensor]]:
     """The weights as a list, each cast to the served dtype when both are floating point; WeightSyncError
