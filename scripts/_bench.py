@@ -20,7 +20,8 @@ def dtype_name() -> str:
     return "float32" if device() == "cpu" else "bfloat16"
 
 
-def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kernel: str | None = None):
+def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kernel: str | None = None,
+           max_model_len: int = 128):
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import ROLLOUT_SCHEMAS
     from qarl_cli.quant import build_scheme
@@ -28,7 +29,7 @@ def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kerne
 
     qcfg = SCHEMAS[quant_name]() if kernel is None else SCHEMAS[quant_name](kernel=kernel)
     return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device()), weights=weights,
-                        dtype=dtype_name(), max_model_len=128)
+                        dtype=dtype_name(), max_model_len=max_model_len)
 
 
 def vllm_serves(quant_name: str) -> bool:

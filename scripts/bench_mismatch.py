@@ -8,6 +8,10 @@ forwards then score the very same tokens (as qarl train's learner does), and mis
 training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
+                                               [--model tiny_arith|smollm2_135m] [--max-tokens N]
+
+--model smollm2_135m measures the real model on GSM8K test prompts (default 160-token responses: long enough for
+the mismatch of every position to show).
 
 Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
 dtype); on a GPU both trainer forwards run in bf16."""
@@ -34,13 +38,25 @@ def trainer_logprobs(model, seqs):
     return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs)
 
 
-def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
+def prompts_of(model: str, src, n: int) -> list[list[int]]:
+    if model == "tiny_arith":
+        return arith_prompts(src, n)
+    from transformers import AutoTokenizer
+
+    from qarl_cli.config.data import GSM8KDataConfig
+    from qarl_cli.data.prompts import encode
+    from qarl_cli.data.splits import load_splits
+
+    data = GSM8KDataConfig()
+    return encode(AutoTokenizer.from_pretrained(str(src)), data, load_splits(data, 0, train=False).test[:n])
+
+
+def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int) -> dict:
     """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qarl_cli.config.quant import SCHEMAS
-    from qarl_cli.config.data import ArithDataConfig
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.mismatch import mismatch_metrics
     from qarl_cli.quant import build_scheme
@@ -49,11 +65,9 @@ def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
 
     quant, _, kernel = spec.partition(":")
     kind = "vllm" if vllm_serves(quant) else "torch"
-    ids = arith_prompts(src, prompts)
-    served = engine(kind, src, quant)
+    served = engine(kind, src, quant, max_model_len=max(map(len, ids)) + max_tokens)
     try:
-        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p,
-                                ArithDataConfig.max_new_tokens, seed=seed)
+        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
     tok = AutoTokenizer.from_pretrained(str(src))
@@ -61,7 +75,7 @@ def measure(src, spec: str, prompts: int, samples: int, seed: int) -> dict:
     dtype = getattr(torch, dtype_name())
     row = {"scheme": quant, "aligned kernel": kernel or "fake",
            "engine": "vllm" if kind == "vllm" else "torch (embedded)",
-           "tokens": int(seqs.mask.sum())}
+           "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1)}
     for forward in ("bf16", "aligned"):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         if forward == "aligned":
@@ -85,16 +99,23 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
+    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "smollm2_135m"])
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="response length (default: the arith task's for tiny_arith, 160 for smollm2_135m)")
     args = ap.parse_args()
-    from qarl_cli.config.model import TinyModelConfig
-    from qarl_cli.models.tiny import ensure_tiny_model
+    from qarl_cli.config.data import ArithDataConfig
+    from qarl_cli.config.model import SmolLM2ModelConfig, TinyModelConfig
+    from qarl_cli.models.resolve import model_dir
 
-    src = ensure_tiny_model(TinyModelConfig(), log=print)
-    rows = [measure(src, spec, args.prompts, args.samples, args.seed) for spec in args.schemes.split(",")]
-    print(f"\nmismatch on the same rollouts ({args.prompts} prompts x {args.samples} samples, "
+    src = model_dir(TinyModelConfig() if args.model == "tiny_arith" else SmolLM2ModelConfig(), log=print)
+    max_tokens = args.max_tokens or (ArithDataConfig.max_new_tokens if args.model == "tiny_arith" else 160)
+    ids = prompts_of(args.model, src, args.prompts)
+    rows = [measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")]
+    print(f"\nmismatch on the same rollouts ({args.model}, {args.prompts} prompts x {args.samples} samples, "
           f"device {device()}): trainer forward bf16 vs aligned, against the engine's logprobs\n")
     print(markdown(rows))
-    Path(args.out).write_text(json.dumps({"device": device(), "prompts": args.prompts, "samples": args.samples,
+    Path(args.out).write_text(json.dumps({"device": device(), "model": args.model, "max_tokens": max_tokens,
+                                          "prompts": args.prompts, "samples": args.samples,
                                           "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")
 

