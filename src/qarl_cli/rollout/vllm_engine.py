@@ -86,7 +86,6 @@ class VLLMEngine:
         self.cfg, self.scheme, self.weights = cfg, scheme, weights
         meta = load_meta_model(Path(model_dir))
         self.plan = plan_for(meta, scheme)
-        self._meta = meta
         self.llm = None
         self.scratch = _scratch_dir(workdir)
         # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.signals turns
@@ -94,6 +93,8 @@ class VLLMEngine:
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
         try:
             self._start(Path(model_dir), scheme, weights, dtype, seed, max_model_len, device)
+            # A tied model's checkpoint stores the embedding once; the trainer sends it under both names.
+            self.aliases = tied_aliases(meta, self.spec)
         except BaseException:
             self.close()
             raise
@@ -113,9 +114,6 @@ class VLLMEngine:
             served = model_dir
         # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
         self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
-        # A tied model's checkpoint stores the embedding once; the trainer sends it under both names.
-        self.aliases = tied_aliases(self._meta, self.spec)
-        del self._meta
         on_gpu = torch.cuda.is_available() and device != "cpu"
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
                   else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
