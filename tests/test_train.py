@@ -4,6 +4,7 @@ does, and a non-finite loss skipping the step without touching the weights.
 
 Runs are subprocesses: each holds its own in-process vLLM engine, and one of them gets killed."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -146,6 +147,9 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
                          ["length"] * 4)
     seqs = pack([[3, 4], [3, 4, 5]], batch)
     old = learner.old_logprobs(seqs)
+    # The rollout came from these weights: with made-up engine logprobs every sequence would fall outside
+    # TBPO's mismatch band, be dropped, and the finite step below would move nothing.
+    seqs = dataclasses.replace(seqs, rollout_logprobs=old.clone())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     metrics = learner.update(seqs, old, torch.tensor([1.0, float("nan"), -1.0, 1.0]), TBPOConfig(), seed=0)
     assert metrics["update/skipped_steps"] == 1 and metrics["update/optimizer_steps"] == 0
