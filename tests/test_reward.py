@@ -74,7 +74,21 @@ TABLE = [
     ("}{", r"\boxed{1}", {"bad_gold"}),
     ("42", GARBAGE, {"wrong", "no_answer"}),
     ("42", GARBAGE + r" so \boxed{42}", {"correct"}),
-    ("3", TOWER, {"timeout"}),
+    (r"\frac{1}{3}", TOWER, {"timeout"}),  # not a plain number: the arithmetic check below passes it to sympy
+    # Arithmetic left undone where the gold is a number: math-verify alone calls each of these correct.
+    ("95", r"\boxed{88+7}", {"unevaluated"}),
+    ("95", r"\boxed{88 + 7}.", {"unevaluated"}),
+    ("12", r"\boxed{3 \times 4}", {"unevaluated"}),
+    ("12", r"\boxed{3\cdot4}", {"unevaluated"}),
+    ("8", r"\boxed{2^3}", {"unevaluated"}),
+    ("4", r"\boxed{6-(2)}", {"unevaluated"}),
+    ("1,000", r"\boxed{999+1}", {"unevaluated"}),
+    ("95", "The answer is $88+7$.", {"unevaluated"}),
+    ("3", TOWER, {"unevaluated"}),  # refused before sympy sees it
+    ("95", r"\boxed{88+7=95}", {"correct"}),  # worked, then evaluated
+    ("95", r"\boxed{88+7=96}", {"wrong"}),
+    ("0.5", r"\boxed{1/2}", {"correct"}),  # a fraction is a value
+    ("x+8", r"\boxed{8+x}", {"correct"}),  # not a number: arithmetic is the answer
 ]
 
 
@@ -120,7 +134,9 @@ def test_deadline_bounds_every_sample(table_result):
 
 @pytest.fixture(scope="module")
 def short_deadline():
-    with MathVerifyReward(MathVerifyRewardConfig(num_workers=1, timeout_s=0.1, kill_grace_s=0.5)) as s:
+    # require_evaluated off: the costly answers below are sums and powers, which it would refuse unread.
+    cfg = MathVerifyRewardConfig(num_workers=1, timeout_s=0.1, kill_grace_s=0.5, require_evaluated=False)
+    with MathVerifyReward(cfg) as s:
         yield s
 
 
@@ -132,6 +148,12 @@ def test_costly_equal_answers_end_at_the_deadline_and_the_pool_goes_on(short_dea
     assert [d.status for d in res.details] == ["timeout", "timeout", "correct"]
     assert all(d.seconds >= 0.1 for d in res.details[:2])
     assert res.rewards == [0.0, 0.0, 1.0]
+
+
+def test_math_verify_alone_accepts_restated_arithmetic(short_deadline):
+    """Why require_evaluated exists: without it, the problem's own expression scores as its value."""
+    res = short_deadline.score([r"\boxed{88+7}", r"\boxed{3 \times 4}", r"\boxed{2^3}"], ["95", "12", "8"])
+    assert [d.status for d in res.details] == ["correct"] * 3
 
 
 def test_hung_worker_is_killed_and_replaced(hooked):
@@ -192,7 +214,8 @@ def test_metrics():
                SampleDetail("timeout", False, 4.0), SampleDetail("bad_gold", True, 0.0)]
     assert RewardResult([1.0, 0.0, 0.0, 0.0], details).metrics() == {
         "reward/mean": 0.25, "reward/acc": 0.25, "reward/boxed_frac": 0.75, "reward/sample_time_max_s": 4.0,
-        "reward/correct_frac": 0.25, "reward/wrong_frac": 0.25, "reward/no_answer_frac": 0.0,
+        "reward/correct_frac": 0.25, "reward/wrong_frac": 0.25, "reward/unevaluated_frac": 0.0,
+        "reward/no_answer_frac": 0.0,
         "reward/timeout_frac": 0.25, "reward/crash_frac": 0.0, "reward/bad_gold_frac": 0.25,
         "reward/timeout_count": 1.0, "reward/crash_count": 0.0, "reward/bad_gold_count": 1.0,
     }
@@ -219,6 +242,7 @@ def test_config_defaults_and_registry():
     assert (cfg.name, cfg.correct_reward, cfg.wrong_reward, cfg.format_penalty) == ("math_verify", 1.0, 0.0, 0.0)
     assert (cfg.num_workers, cfg.timeout_s, cfg.kill_grace_s, cfg.worker_memory_mb, cfg.float_rounding) == (
         2, 3.0, 1.0, 2048, 6)
+    assert cfg.require_evaluated is True
     assert SCHEMAS == {"math_verify": MathVerifyRewardConfig}
 
 

@@ -12,15 +12,15 @@ from qarl_cli.config.errors import require
 class MathVerifyRewardConfig:
     """math-verify equivalence checking in a pool of worker processes, each sample under a deadline.
 
-    Statuses: correct, wrong, no_answer (nothing extractable), timeout, crash (the worker raised or died),
-    bad_gold (no math expression in the gold answer). Only `correct` earns `correct_reward`; every other status
+    Statuses: correct, wrong, unevaluated (see require_evaluated), no_answer (nothing extractable), timeout,
+    crash (the worker raised or died), bad_gold (no math expression in the gold answer). Only `correct` earns `correct_reward`; every other status
     earns `wrong_reward`, so a policy cannot gain by producing answers that hang or crash the verifier."""
 
     name: str = "math_verify"  # option name
     impl: ClassVar[str] = "qarl_cli.reward.math_verify:MathVerifyReward"
     # Reward of a completion whose extracted answer is equivalent to the gold answer.
     correct_reward: float = 1.0
-    # Reward of every other status (wrong, no_answer, timeout, crash, bad_gold).
+    # Reward of every other status (wrong, unevaluated, no_answer, timeout, crash, bad_gold).
     wrong_reward: float = 0.0
     # Subtracted from the reward of a completion that contains no \boxed{...}, whatever its status. Such a
     # completion is still graded (math-verify also reads "the final answer is 42" or the last number), so with
@@ -36,6 +36,11 @@ class MathVerifyRewardConfig:
     # Address-space limit of each worker in MiB: a runaway expansion raises MemoryError (status crash) instead
     # of exhausting the node's memory. 0 = unlimited.
     worker_memory_mb: int = 2048
+    # Where the gold answer is a plain number, an answer that still holds arithmetic ('88+7', '3 \times 4', '2^3';
+    # after its last '=') gets status unevaluated and wrong_reward: math-verify evaluates it and would call it
+    # equal, and a policy paid for restating the problem stops solving it. Fractions pass. false: math-verify's
+    # verdict alone.
+    require_evaluated: bool = True
     # Decimal places math-verify rounds floats to before comparing (at 6, 0.333333 equals 1/3 but 0.333 does not).
     float_rounding: int = 6
 

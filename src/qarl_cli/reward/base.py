@@ -4,7 +4,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 # Every sample ends in exactly one of these.
-STATUSES = ("correct", "wrong", "no_answer", "timeout", "crash", "bad_gold")
+# unevaluated: arithmetic where the gold is a number ('88+7' for 95), which math-verify alone would accept.
+STATUSES = ("correct", "wrong", "unevaluated", "no_answer", "timeout", "crash", "bad_gold")
 # Statuses that say something went wrong in scoring rather than in the answer; counted separately in metrics.
 FAILURES = ("timeout", "crash", "bad_gold")
 

@@ -30,6 +30,12 @@ _READY = "ready"
 _STARTUP_TIMEOUT_S = 120.0
 _UNESCAPED_DOLLAR = re.compile(r"(?<!\\)\$")
 _INTEGER = re.compile(r"-?\d{1,30}")
+# A plain number (GSM8K's, the arithmetic task's, most of AIME's and MATH's gold answers): sign, digits with
+# thousands commas, one decimal point.
+_PLAIN_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|-?\.\d+")
+# Arithmetic left to do: an operator between two numbers (88+7, 3 \times 4, 6-(2)) or a power (2^3). A fraction
+# (1/2, \frac12) is a value, not work left, and passes.
+_ARITHMETIC = re.compile(r"\d\s*(?:[-+*\u00d7\u00b7\u00f7\u2212]|\\times|\\cdot|\\div|\\ast)\s*[({]?\s*-?\.?\d|\d\s*\^")
 # Completions that, with _test_hooks on, make a worker exit at once / hang with SIGALRM blocked.
 TEST_EXIT = "__qarl_test_exit__"
 TEST_HANG = "__qarl_test_hang__"
@@ -67,13 +73,28 @@ def _parse_gold(gold: str) -> list:
     return parse(_as_latex(gold if boxed is None else boxed), parsing_timeout=None)
 
 
-def _judge(completion: str, gold: str, float_rounding: int) -> str:
+def _plain_number(gold: str) -> bool:
+    boxed = last_boxed(gold)
+    return _PLAIN_NUMBER.fullmatch(_UNESCAPED_DOLLAR.sub("", gold if boxed is None else boxed).strip()) is not None
+
+
+def unevaluated(answer: str, gold: str) -> bool:
+    """Whether `answer` restates arithmetic where the gold answer is a plain number: '88+7' for 95. math-verify
+    evaluates both sides and calls them equal, so a policy rewarded for it learns to copy the problem instead
+    of solving it (seen on the arithmetic task: accuracy 5% -> 98% in ten steps, all of it copying). Only what
+    follows the last '=' counts: '88+7=95' is a worked answer."""
+    return _plain_number(gold) and _ARITHMETIC.search(answer.rsplit("=", 1)[-1]) is not None
+
+
+def _judge(completion: str, gold: str, float_rounding: int, require_evaluated: bool) -> str:
     """The status of one sample, without any deadline (the caller provides it)."""
     from math_verify import parse, verify
 
     # The last closed \boxed{} is the answer; without one, math-verify's own extraction ("final answer is",
     # "Answer:", the last math environment or number) has its turn.
     boxed = last_boxed(completion)
+    if require_evaluated and boxed is not None and unevaluated(boxed, gold):
+        return "unevaluated"
     # Fast path for the commonest case (GSM8K, AIME, arithmetic): two plain integers need no LaTeX parser,
     # which costs about 5 ms per answer. Longer digit strings go the general way.
     if boxed is not None and _INTEGER.fullmatch(boxed.strip()) and _INTEGER.fullmatch(gold.strip()):
@@ -84,6 +105,9 @@ def _judge(completion: str, gold: str, float_rounding: int) -> str:
     pred = parse(_as_latex(boxed), parsing_timeout=None) if boxed is not None else []
     if not pred:
         pred = parse(completion, parsing_timeout=None)
+        # parse returns [value, the text it read]: the text is what the policy offered as its answer.
+        if require_evaluated and pred and isinstance(pred[-1], str) and unevaluated(pred[-1], gold):
+            return "unevaluated"
     if not pred:
         return "no_answer"
     return "correct" if verify(gold_parsed, pred, float_rounding=float_rounding, timeout_seconds=None) else "wrong"
@@ -98,7 +122,8 @@ def _test_hook(completion: str) -> None:
         time.sleep(3600)
 
 
-def _worker_main(conn, timeout_s: float, float_rounding: int, memory_mb: int, test_hooks: bool) -> None:
+def _worker_main(conn, timeout_s: float, float_rounding: int, require_evaluated: bool, memory_mb: int,
+                 test_hooks: bool) -> None:
     global _armed
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it then kills us
     if memory_mb:
@@ -109,7 +134,7 @@ def _worker_main(conn, timeout_s: float, float_rounding: int, memory_mb: int, te
     # Imports, regex compilation and sympy's lazily loaded simplification code (about 2 s in all) happen here,
     # outside any sample's deadline.
     for completion, gold in _WARM_UP:
-        _judge(completion, gold, float_rounding)
+        _judge(completion, gold, float_rounding, require_evaluated)
     signal.signal(signal.SIGALRM, _on_alarm)
     conn.send(_READY)
     while True:
@@ -126,7 +151,7 @@ def _worker_main(conn, timeout_s: float, float_rounding: int, memory_mb: int, te
                 signal.setitimer(signal.ITIMER_REAL, timeout_s)
                 if test_hooks:
                     _test_hook(completion)
-                status = _judge(completion, gold, float_rounding)
+                status = _judge(completion, gold, float_rounding, require_evaluated)
             finally:
                 _armed = False
                 signal.setitimer(signal.ITIMER_REAL, 0)
@@ -179,7 +204,7 @@ class MathVerifyReward:
         self.cfg = cfg
         # spawn, not fork: the parent may hold CUDA, vLLM or torch threads that a fork would copy half-way.
         self._ctx = mp.get_context("spawn")
-        self._args = (cfg.timeout_s, cfg.float_rounding, cfg.worker_memory_mb, _test_hooks)
+        self._args = (cfg.timeout_s, cfg.float_rounding, cfg.require_evaluated, cfg.worker_memory_mb, _test_hooks)
         self._workers = [_Worker(self._ctx, self._args) for _ in range(cfg.num_workers)]
         self._close = weakref.finalize(self, _stop_all, self._workers)
 
