@@ -304,7 +304,8 @@ def _max_diff(a, b):
 def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_path, optimizer):
     """torchrun, 2 gloo ranks, FSDP2 (int8 aligned forward, the embedded engine on rank 0): the weights after
     2 steps equal a one-process run's up to float summation order (each rank backpropagates half of every
-    minibatch; the reduced gradient is the whole minibatch's; Muon orthogonalizes the gathered whole matrix), and
+    minibatch, with AdamW in micro-batches; the reduced gradient is the whole minibatch's; Muon orthogonalizes the
+    gathered whole matrix), and
     so does a 2-rank run resumed from the 2-rank step-1 checkpoint (the sharded optimizer state is gathered into it
     and scattered back)."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
@@ -317,11 +318,14 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
         assert out.returncode == 0, out.stderr[-3000:]
         return out
 
+    # With AdamW the ranks also accumulate each half-minibatch over micro-batches of 5 rows (32 rows per rank:
+    # 6 of 5 and one of 2), against the one process's single forward.
+    micro = ["micro_batch_size=5"] if optimizer == "adamw" else []
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
     run(QARL, one)
-    out = run(launch, two)
+    out = run(launch, two, *micro)
     assert out.stdout.count("[qarl] step 2/2") == 1  # rank 0 alone prints
-    run(launch, resumed, f"resume={two / 'checkpoints' / 'step_000001'}")
+    run(launch, resumed, f"resume={two / 'checkpoints' / 'step_000001'}", *micro)
     ckpt = lambda run_dir, step: run_dir / "checkpoints" / f"step_{step:06d}"  # noqa: E731
     moved = _max_diff(_weights(ckpt(one, 1)), _weights(ckpt(one, 2)))
     assert moved > 1e-5  # the second step changed the weights

@@ -50,6 +50,12 @@ class TrainConfig(_Common, _Sampling):
     samples_per_prompt: int = 8  # group size of the group-normalised advantage
     minibatches: int = 1  # optimizer updates per rollout batch and epoch
     epochs_per_step: int = 1  # passes over each rollout batch
+    # Rows per forward and backward (per rank): a minibatch's gradient is accumulated over micro-batches of this
+    # many rows, each weighted by its share of the minibatch's loss denominator, so the optimizer step is the one
+    # a single forward would give, at a fraction of the activation memory (a [rows, length, vocab] fp32 logit
+    # tensor and its gradient: 64 x 190 x 49,152 is 2.4 GB each). Also the chunk of the no-grad pi_old pass.
+    # 0: the whole minibatch in one forward.
+    micro_batch_size: int = 0
     # adamw moves every weight by about lr per step, noise-only gradients included; sgd (momentum 0.9) moves each
     # in proportion to its gradient; muon: Muon for the hidden matrices (an update of fixed size per matrix,
     # orthogonalized whole, also under FSDP), AdamW at lr / 5 for the rest (the paper trains with Muon).
@@ -95,6 +101,8 @@ class TrainConfig(_Common, _Sampling):
         require(self.lr > 0, "lr", self.lr, "must be > 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", list(self.betas),
                 "must be two values in [0, 1): [beta1, beta2]")
+        require(self.micro_batch_size >= 0, "micro_batch_size", self.micro_batch_size,
+                "must be >= 0 (0: the whole minibatch in one forward)")
         require(self.train_threads >= 0, "train_threads", self.train_threads, "must be >= 0 (0: leave torch's setting)")
         require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,

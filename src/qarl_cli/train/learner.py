@@ -61,9 +61,10 @@ class Learner:
 
     @torch.no_grad()
     def old_logprobs(self, seqs: Sequences, chunk: int = 256) -> Tensor:
-        """pi_old: the aligned forward at the weights that sampled the batch (no grad)."""
+        """pi_old: the aligned forward at the weights that sampled the batch (no grad), `chunk` rows per forward
+        (micro_batch_size where that is set)."""
         with threads(self.cfg.train_threads):
-            return self._old_logprobs(seqs, chunk)
+            return self._old_logprobs(seqs, self.cfg.micro_batch_size or chunk)
 
     def _old_logprobs(self, seqs: Sequences, chunk: int) -> Tensor:
         self.model.eval()
@@ -106,25 +107,12 @@ class Learner:
         for _ in range(self.cfg.epochs_per_step):
             order = torch.randperm(len(seqs), generator=gen)
             for rows in order.chunk(self.cfg.minibatches):
-                mine, real = self.dist.share(rows)
-                part = seqs.select(mine).to(self.device)
-                width = part.mask.shape[1]
-                logprobs, entropy = token_logprobs(self.model, part, True) if algo_cfg.entropy_coef \
-                    else (token_logprobs(self.model, part), None)
-                if on_policy and real:
-                    old[mine, :width] = logprobs.detach().cpu()
-                batch = PolicyBatch(logprobs, old[mine, :width].to(self.device), part.rollout_logprobs,
-                                    advantages[mine].to(self.device), part.mask, entropy)
-                loss, metrics = self.objective(batch, algo_cfg)
-                # This rank's weight in the minibatch's loss (1 in one process); x world: FSDP averages gradients.
-                share = count(part.mask).item() / max(count(seqs.mask[rows]).item(), 1) if real else 0.0
                 self.optimizer.zero_grad(set_to_none=True)
-                (loss * (share * self.dist.world) if self.dist.world > 1 else loss).backward()
+                stats = self._accumulate(seqs, rows, old, on_policy, advantages, algo_cfg, count)
                 norm = self._clip()
-                stats = {**metrics, "update/loss": loss.item()}
                 if self.dist.world > 1:
                     keys = sorted(stats)
-                    summed = self.dist.all_sum(torch.tensor([share * stats[k] for k in keys], dtype=torch.float64))
+                    summed = self.dist.all_sum(torch.tensor([stats[k] for k in keys], dtype=torch.float64))
                     stats = dict(zip(keys, summed.tolist()))
                 if not (math.isfinite(stats["update/loss"]) and math.isfinite(norm)):
                     self.optimizer.zero_grad(set_to_none=True)  # the weights stay as they are
@@ -140,6 +128,34 @@ class Learner:
         out.update({"update/lr": lr, "update/skipped_steps": float(self.skipped),
                     "update/optimizer_steps": float(steps)})
         return {**out, **mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask, algo_cfg.mismatch_cap)}
+
+    def _accumulate(self, seqs: Sequences, rows: Tensor, old: Tensor, on_policy: bool, advantages: Tensor,
+                    algo_cfg: Any, count: Callable) -> dict[str, float]:
+        """Forward and backward of one minibatch (`rows`), micro-batch by micro-batch, gradients summed. Each
+        micro-batch's loss is weighted by its share of the minibatch's denominator (tokens or sequences, over all
+        ranks), so the summed gradient is the whole minibatch's; x world because FSDP averages over ranks.
+        Returns this rank's share-weighted metrics (summed over ranks by the caller)."""
+        mine, real = self.dist.share(rows)
+        size = self.cfg.micro_batch_size or len(mine)
+        total = max(count(seqs.mask[rows]).item(), 1)
+        stats: dict[str, float] = {}
+        for i in range(chunks_per_rank(len(rows), self.dist.world, size)):  # the same count on every rank
+            micro = mine[i * size:(i + 1) * size] if real else mine
+            micro, used = (micro, real) if len(micro) else (mine[:1], False)  # a stand-in row, weight 0
+            part = seqs.select(micro).to(self.device)
+            width = part.mask.shape[1]
+            logprobs, entropy = token_logprobs(self.model, part, True) if algo_cfg.entropy_coef \
+                else (token_logprobs(self.model, part), None)
+            if on_policy and used:
+                old[micro, :width] = logprobs.detach().cpu()
+            batch = PolicyBatch(logprobs, old[micro, :width].to(self.device), part.rollout_logprobs,
+                                advantages[micro].to(self.device), part.mask, entropy)
+            loss, metrics = self.objective(batch, algo_cfg)
+            share = count(part.mask).item() / total if used else 0.0
+            (loss * (share * self.dist.world)).backward()
+            for k, v in {**metrics, "update/loss": loss.detach()}.items():
+                stats[k] = stats.get(k, 0.0) + share * float(v)
+        return stats
 
     def end_step(self) -> None:
         """One RL step done (whether or not it had a learning signal): the LR schedule advances. torch warns when
