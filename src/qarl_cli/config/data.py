@@ -54,15 +54,16 @@ class ArithDataConfig(DataConfig):
 
     name: str = "arith"
     impl: ClassVar[str] = "qarl_cli.data.arith:ArithSource"
-    levels: List[int] = field(default_factory=lambda: [1, 2, 3])  # 1: 2-digit +/-, 2: 2-3 digit * digit, 3: two-step
+    # 0: up to 30 +/- a digit (540 problems, 47 of them test), 1: 2-digit +/-, 2: 2-3 digit * digit, 3: two-step
+    levels: List[int] = field(default_factory=lambda: [1, 2, 3])
     test_size: int = 500  # the test split is fixed (see qarl_cli.data.arith); the run's seed orders training
     instruction: str = ""  # the tiny model learned the format in its warm start; no instruction needed
     max_new_tokens: int = 12  # the answers, `\\boxed{N}` and the end of turn, fit in 12 tokens
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(len(self.levels) > 0 and all(lv in (1, 2, 3) for lv in self.levels), "levels", self.levels,
-                "must be a non-empty list drawn from 1, 2, 3")
+        require(len(self.levels) > 0 and all(lv in (0, 1, 2, 3) for lv in self.levels), "levels", self.levels,
+                "must be a non-empty list drawn from 0, 1, 2, 3")
 
 
 @dataclass
