@@ -78,6 +78,15 @@ class RolloutEngine(Protocol):
         """Replace the weights named (a subset of the checkpoint's names is fine), all or nothing."""
         ...
 
+    def sleep(self) -> None:
+        """Free the engine's accelerator memory while the trainer updates (rollout.sleep_between_steps on a GPU);
+        a no-op where it cannot (CPU, the embedded engine)."""
+        ...
+
+    def wake_up(self) -> None:
+        """Take the memory back, weights as they were, before the next sync and rollout; a no-op where sleep is."""
+        ...
+
     def close(self) -> None:
         ...
 

@@ -213,6 +213,12 @@ class TorchEngine:
         target.copy_(self.scheme.dequantize(packed, gate_up.dtype))
         module.load_quantized((gate_up, down))
 
+    def sleep(self) -> None:  # its memory is the trainer's own modules' (rollout=torch shares them)
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
     def close(self) -> None:
         self.model = self._modules = self._dest = self._aligned = None  # the last references to the weights
         if self.device.type == "cuda":

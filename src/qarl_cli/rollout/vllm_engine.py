@@ -115,6 +115,7 @@ class VLLMEngine:
         # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
         self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
         on_gpu = torch.cuda.is_available() and device != "cpu"
+        self.sleeps = cfg.sleep_between_steps and on_gpu  # vLLM's sleep mode needs CUDA's allocator
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
                   else {"kv_cache_memory_bytes": cfg.kv_cache_memory_bytes})
         context = cfg.max_model_len or max_model_len
@@ -128,7 +129,7 @@ class VLLMEngine:
                        max_model_len=context,
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
-                       enable_sleep_mode=cfg.sleep_between_steps and on_gpu, **memory)
+                       enable_sleep_mode=self.sleeps, **memory)
         from qarl_cli.rollout import vllm_reload
 
         self.llm.collective_rpc(vllm_reload.install_cpu_fixes)
@@ -189,11 +190,13 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def sleep(self) -> None:
-        if self.cfg.sleep_between_steps and torch.cuda.is_available():
+        # Level 1 keeps a CPU copy of the weights and drops the KV cache: wake_up restores the weights as they
+        # were, and the sync that follows overwrites them (level 2 would drop them and need a full reload).
+        if self.sleeps:
             self.llm.sleep(level=1)
 
     def wake_up(self) -> None:
-        if self.cfg.sleep_between_steps and torch.cuda.is_available():
+        if self.sleeps:
             self.llm.wake_up()
 
     def close(self) -> None:

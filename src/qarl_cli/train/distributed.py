@@ -164,6 +164,12 @@ class MainEngine:
     def load_weights(self, weights: Any) -> None:  # the other ranks' iterables are empty (model_state)
         self.dist.main_only(lambda: self.engine.load_weights(weights), send=False)
 
+    def sleep(self) -> None:
+        self.dist.main_only(lambda: self.engine.sleep(), send=False)
+
+    def wake_up(self) -> None:
+        self.dist.main_only(lambda: self.engine.wake_up(), send=False)
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()

@@ -76,11 +76,16 @@ def one_step(run: Any, step: int, stream: Iterator, tracker: "_Tracker") -> tupl
     updated = 0
     if keep.any():  # groups whose samples all got the same reward carry no signal: not trained on
         seqs = pack(prompts, batch, run.tokenizer.pad_token_id or 0).select(keep.nonzero()[:, 0])
-        with tracker.stage("forward"):
-            # one on-policy update: its own first forward of each row is pi_old, no separate pass needed
-            old = run.learner.old_logprobs(seqs) if run.learner.needs_old_pass else None
-        with tracker.stage("update"):
-            metrics.update(run.learner.update(seqs, old, advantages[keep], cfg.algorithm, seed=cfg.seed * 7919 + step))
+        run.engine.sleep()  # colocated on a GPU: the update gets the engine's memory (elsewhere a no-op)
+        try:
+            with tracker.stage("forward"):
+                # one on-policy update: its own first forward of each row is pi_old, no separate pass needed
+                old = run.learner.old_logprobs(seqs) if run.learner.needs_old_pass else None
+            with tracker.stage("update"):
+                metrics.update(run.learner.update(seqs, old, advantages[keep], cfg.algorithm,
+                                                  seed=cfg.seed * 7919 + step))
+        finally:
+            run.engine.wake_up()  # awake for the sync, the evaluation and the next rollout
         updated = int(metrics["update/optimizer_steps"])
     run.learner.end_step()  # the schedule follows RL steps, signal or not
     if updated:  # unchanged weights are not pushed again
