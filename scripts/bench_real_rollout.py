@@ -8,7 +8,8 @@ token over the matmul FLOP/s measured here at the decode's shapes).
 
 Baselines: "raw" is `LLM(model=..., dtype=..., kv_cache_memory_bytes=...)` with vLLM's defaults otherwise (on
 this CPU that means torch.compile'd, not eager); "raw eager" adds enforce_eager=True, which is what qarl's
-engine passes (rollout.enforce_eager). Every engine gets the same SamplingParams (temperature 1, one sample per
+engine passes by default (rollout.enforce_eager); "qarl compiled" is qarl's engine with rollout.enforce_eager=false.
+Every engine gets the same SamplingParams (temperature 1, one sample per
 prompt, seeded per request as qarl's engine seeds them) after one warm-up call; responses end at the model's
 end of turn or at max_tokens, so the tokens column says how much each decoded. One engine
 lives at a time (in-process vLLM keeps global state). Prints tables and writes JSON."""
@@ -106,13 +107,13 @@ def run_raw(path: Path, dtype: str, prompts, max_tokens: int, eager: bool, kv_by
     return {"startup_s": round(startup, 1), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
-def run_qarl(src: Path, quant: str, dtype: str, prompts, max_tokens: int) -> dict:
+def run_qarl(src: Path, quant: str, dtype: str, prompts, max_tokens: int, eager: bool = True) -> dict:
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import VLLMRolloutConfig
     from qarl_cli.quant import build_scheme
     from qarl_cli.rollout.base import build_engine, context_length
 
-    cfg = VLLMRolloutConfig()
+    cfg = VLLMRolloutConfig(enforce_eager=eager)
     start = time.perf_counter()
     engine = build_engine(cfg, src, build_scheme(SCHEMAS[quant](), "cpu"), dtype=dtype,
                           max_model_len=context_length(cfg, src))
@@ -131,7 +132,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--cases", default="none:float32,none:bfloat16,int8:float32,int8:bfloat16")
-    ap.add_argument("--engines", default="qarl,raw eager,raw")
+    ap.add_argument("--engines", default="qarl,raw eager,raw",
+                    help="of qarl (rollout.enforce_eager=true, the default), qarl compiled (false), raw eager, raw")
     args = ap.parse_args()
     import tempfile
 
@@ -156,8 +158,8 @@ def main() -> None:
             quant, dtype = case.split(":")
             path = served_dir(src, quant, Path(scratch))
             for kind in args.engines.split(","):
-                if kind == "qarl":
-                    r = run_qarl(src, quant, dtype, prompts, args.max_tokens)
+                if kind in ("qarl", "qarl compiled"):
+                    r = run_qarl(src, quant, dtype, prompts, args.max_tokens, eager=kind == "qarl")
                 else:
                     r = run_raw(path, dtype, prompts, args.max_tokens, eager=kind == "raw eager", kv_bytes=kv_bytes)
                 rows.append({"quant": quant, "dtype": dtype, "engine": kind, **r})
