@@ -64,3 +64,36 @@ def test_stream_is_indexed_by_position():
 def test_evaluate_refuses_anything_but_arithmetic():
     with pytest.raises(ValueError):
         arith.evaluate("__import__('os')")
+
+
+def test_question_rewords_the_prompt_and_nothing_else():
+    """data.question changes only the user-facing wording: answers, levels and the train/test membership of each
+    problem are those of the bare expression."""
+    from qarl_cli.config.data import ArithDataConfig
+
+    bare = arith.ArithSource(ArithDataConfig(levels=[0, 3], test_size=20), seed=3)
+    worded = arith.ArithSource(ArithDataConfig(levels=[0, 3], test_size=20, question="Calculate {spaced}."), seed=3)
+    for a, b in itertools.chain(zip(bare.test, worded.test),
+                                zip(itertools.islice(bare.train_stream(5), 30),
+                                    itertools.islice(worded.train_stream(5), 30))):
+        assert (b.answer, b.level) == (a.answer, a.level)
+        # the worded prompt, read back: strip the template, drop the spaces, and it is the expression again
+        assert b.prompt.startswith("Calculate ") and b.prompt.endswith(".")
+        inner = b.prompt[len("Calculate "):-1]
+        assert inner.replace(" ", "") == a.prompt and re.fullmatch(r"[()\d]+( [-+*] [()\d]+)+", inner), b.prompt
+        assert str(_value(ast.parse(inner, mode="eval"))) == b.answer
+
+
+def test_spaced_puts_one_space_around_each_operator():
+    assert arith.spaced("17+5") == "17 + 5"
+    assert arith.spaced("(17-5)*3") == "(17 - 5) * 3"
+    assert arith.spaced("12*3-45") == "12 * 3 - 45"
+
+
+@pytest.mark.parametrize("question", ["Calculate.", "{problem}?", "{expr", "What is {expr} and {x}?"])
+def test_a_question_without_the_problem_or_with_unknown_fields_is_refused(question):
+    from qarl_cli.config.data import ArithDataConfig
+    from qarl_cli.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^question=.*must name the problem as \{expr\} or \{spaced\}"):
+        ArithDataConfig(question=question)

@@ -12,7 +12,9 @@ position so that resuming is exact."""
 from __future__ import annotations
 
 import random
+import re
 import zlib
+from dataclasses import replace
 from typing import Iterator, Sequence
 
 from qarl_cli.data.base import Problem
@@ -84,12 +86,24 @@ def train_stream(seed: int, levels: Sequence[int], start: int = 0) -> Iterator[P
         i += 1
 
 
+def spaced(expr: str) -> str:
+    """The expression with a space on each side of every binary operator: "(17-5)*3" -> "(17 - 5) * 3"."""
+    return re.sub(r"\s*([-+*])\s*", r" \1 ", expr).strip()
+
+
+def asked(problem: Problem, question: str) -> Problem:
+    """The problem worded by the template `question` (ArithDataConfig.question); answer and level unchanged."""
+    if question == "{expr}":
+        return problem
+    return replace(problem, prompt=question.format(expr=problem.prompt, spaced=spaced(problem.prompt)))
+
+
 class ArithSource:
     """data=arith: the fixed test split, and training problems generated from (seed, position)."""
 
     def __init__(self, cfg, seed: int) -> None:
-        self.levels, self.seed = list(cfg.levels), seed
-        self.test = test_split(cfg.test_size, self.levels)
+        self.levels, self.seed, self.question = list(cfg.levels), seed, cfg.question
+        self.test = [asked(p, self.question) for p in test_split(cfg.test_size, self.levels)]
 
     def train_stream(self, start: int = 0) -> Iterator[Problem]:
-        return train_stream(self.seed, self.levels, start)
+        return (asked(p, self.question) for p in train_stream(self.seed, self.levels, start))
