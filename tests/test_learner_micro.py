@@ -87,3 +87,26 @@ def test_on_policy_pass_fills_pi_old_micro_batch_by_micro_batch(src):
 def test_micro_batch_size_is_validated():
     with pytest.raises(ConfigError, match="^micro_batch_size=-1"):
         TrainConfig(micro_batch_size=-1)
+
+
+@pytest.mark.parametrize("n,world,chunk", [(9, 2, 5), (9, 2, 4), (9, 2, 2), (3, 4, 2), (8, 2, 3), (1, 3, 1)])
+def test_every_rank_runs_the_same_number_of_chunks_and_each_row_is_used_once(n, world, chunk):
+    """FSDP's forwards are collectives: a rank that ran one chunk fewer than another would leave it waiting. Given
+    one chunk size (the learner now derives it from the minibatch, not from each rank's own share: 9 rows over 2
+    ranks once gave chunks of 5 and 4, hence 1 and 2 forwards), every rank runs the same number of chunks, padding
+    with weightless stand-ins, and every row is used exactly once."""
+    from types import SimpleNamespace
+
+    from qarl_cli.train.distributed import Distributed, rank_chunks
+
+    rows = torch.arange(n)
+    counts, used_rows = [], []
+    for rank in range(world):
+        dist = SimpleNamespace(rank=rank, world=world)
+        dist.share = lambda r, d=dist: Distributed.share(d, r)
+        chunks = list(rank_chunks(dist, rows, chunk))
+        counts.append(len(chunks))
+        assert all(0 < len(part) <= chunk for part, _ in chunks)
+        used_rows += [int(i) for part, used in chunks if used for i in part]
+    assert len(set(counts)) == 1, counts
+    assert sorted(used_rows) == list(range(n))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -147,6 +147,16 @@ def from_env(device_type: str) -> Single:
 def chunks_per_rank(n: int, world: int, chunk: int) -> int:
     """How many chunks of `chunk` rows each rank runs so that all run the same number of collective forwards."""
     return max(1, math.ceil(math.ceil(n / world) / chunk))
+
+
+def rank_chunks(dist: Any, rows: Any, chunk: int) -> Iterator[tuple[Any, bool]]:
+    """This rank's share of `rows` in chunks of `chunk`, as (rows, used) pairs, the same number on every rank so
+    that FSDP's collective forwards pair up. A rank whose share has run out still runs a forward, on a stand-in
+    row with used=False: its result must carry no weight."""
+    mine, real = dist.share(rows)
+    for i in range(chunks_per_rank(len(rows), dist.world, chunk)):
+        part = mine[i * chunk:(i + 1) * chunk] if real else mine
+        yield (part, real) if len(part) else (mine[:1], False)
 
 
 class MainEngine:

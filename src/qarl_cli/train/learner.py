@@ -20,7 +20,7 @@ from qarl_cli.logprobs import next_token_logprobs
 from qarl_cli.mismatch import mismatch_metrics
 from qarl_cli.objectives import DENOMINATORS, PolicyBatch
 from qarl_cli.optim import lr_lambda
-from qarl_cli.train.distributed import Single, chunks_per_rank
+from qarl_cli.train.distributed import Single, rank_chunks
 from qarl_cli.train.sequences import Sequences
 
 
@@ -69,10 +69,7 @@ class Learner:
     def _old_logprobs(self, seqs: Sequences, chunk: int) -> Tensor:
         self.model.eval()
         out = torch.zeros_like(seqs.rollout_logprobs)
-        mine, real = self.dist.share(torch.arange(len(seqs)))
-        for i in range(chunks_per_rank(len(seqs), self.dist.world, chunk)):  # the same count on every rank
-            rows = mine[i * chunk:(i + 1) * chunk] if real else mine
-            rows, used = (rows, real) if len(rows) else (mine[:1], False)
+        for rows, used in rank_chunks(self.dist, torch.arange(len(seqs)), chunk):
             part = seqs.select(rows).to(self.device)
             logprobs = token_logprobs(self.model, part).cpu()
             if used:
@@ -135,13 +132,10 @@ class Learner:
         micro-batch's loss is weighted by its share of the minibatch's denominator (tokens or sequences, over all
         ranks), so the summed gradient is the whole minibatch's; x world because FSDP averages over ranks.
         Returns this rank's share-weighted metrics (summed over ranks by the caller)."""
-        mine, real = self.dist.share(rows)
-        size = self.cfg.micro_batch_size or len(mine)
+        size = self.cfg.micro_batch_size or math.ceil(len(rows) / self.dist.world)
         total = max(count(seqs.mask[rows]).item(), 1)
         stats: dict[str, float] = {}
-        for i in range(chunks_per_rank(len(rows), self.dist.world, size)):  # the same count on every rank
-            micro = mine[i * size:(i + 1) * size] if real else mine
-            micro, used = (micro, real) if len(micro) else (mine[:1], False)  # a stand-in row, weight 0
+        for micro, used in rank_chunks(self.dist, rows, size):  # a stand-in row is weighted 0
             part = seqs.select(micro).to(self.device)
             width = part.mask.shape[1]
             logprobs, entropy = token_logprobs(self.model, part, True) if algo_cfg.entropy_coef \
