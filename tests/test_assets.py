@@ -158,6 +158,9 @@ def test_math_levels_and_the_records_left_out(capsys):
 
     source = PackagedSource(DATA["math"](), seed=0)
     assert {p.level for p in source.test} == {1, 2, 3, 4, 5}
+    # the train file is read when training asks for it (an eval never does), and then its skips are reported
+    assert source.skipped == {} and "records of" not in capsys.readouterr().out
+    assert len(source.train) == 7498
     assert [why.split(":")[0] for why in sum(source.skipped.values(), [])] == ["line 5342", "line 5344"]
     assert "data=math: 2 of 7500 records of" in capsys.readouterr().out
     # Two train solutions box their answer without braces: "\\boxed 2", "\\boxed 9".

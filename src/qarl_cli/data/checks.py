@@ -13,13 +13,13 @@ from qarl_cli.config.errors import ConfigError
 def check_splits(source: Any, cfg: Any, train: bool = True) -> Any:
     """`source` unchanged, or ConfigError. `cfg`: the data config; `train`: whether the command trains on it
     (qarl eval does not: there a test_size covering the whole file evaluates all of it)."""
-    rest = getattr(source, "train", None)  # None: generated on the fly, never runs out
     size = getattr(cfg, "test_size", None)
     where = f"data.path={cfg.path}" if getattr(cfg, "path", None) else f"data={cfg.name}"
     if not source.test:
         raise ConfigError(f"data.test_size={size}: the test split of {where} is empty (it is evaluated, and used "
                           "at start-up); set data.test_size to 1 or more")
-    if train and rest is not None and not rest:
+    rest = getattr(source, "train", None) if train else None  # None: generated on the fly, never runs out
+    if rest is not None and not rest:
         n = len(source.test)
         raise ConfigError(f"data.test_size={size}: {where} has {n} problem{'s' if n != 1 else ''}, and holding out "
                           f"{min(size, n)} for the test split leaves none to train on; set data.test_size below {n} "

@@ -7,6 +7,7 @@ is read as data=file reads it, and nothing is fetched."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 from qarl_cli.data.splits import FileSource
@@ -32,10 +33,15 @@ class PackagedSource(FileSource):
 
         train_file, test_file = packaged_files(cfg, log)
         self.skipped: dict[str, list[str]] = {}
-        self.train = self._load(train_file, cfg, log)
+        self._train_from = (train_file, cfg, log)
         self.test = load_problems(cfg.test_path, cfg.layout, source=cfg.name) if cfg.test_path else \
             self._load(test_file, cfg, log)
         self.seed = seed
+
+    @functools.cached_property
+    def train(self) -> list:
+        """Read when first asked for: `qarl eval` needs only the test split (MATH's train file is 7,500 records)."""
+        return self._load(*self._train_from)
 
     def _load(self, file: str, cfg: Any, log: Callable[[str], None]) -> list:
         from qarl_cli.data.files import load_problems
