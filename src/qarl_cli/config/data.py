@@ -69,14 +69,38 @@ class ArithDataConfig(DataConfig):
         super().__post_init__()
         require(len(self.levels) > 0 and all(lv in (0, 1, 2, 3) for lv in self.levels), "levels", self.levels,
                 "must be a non-empty list drawn from 0, 1, 2, 3")
-        import string
+        _check_question(self.question)
 
-        try:
-            fields = {f for _, f, _, _ in string.Formatter().parse(self.question) if f is not None}
-        except ValueError as e:
-            fields = {f"<{e}>"}
-        require(bool(fields) and fields <= {"expr", "spaced"}, "question", self.question,
-                "must name the problem as {expr} or {spaced} and no other field (write literal braces as {{ }})")
+
+def _check_question(question: str) -> None:
+    import string
+
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(question) if f is not None}
+    except ValueError as e:
+        fields = {f"<{e}>"}
+    require(bool(fields) and fields <= {"expr", "spaced"}, "question", question,
+            "must name the problem as {expr} or {spaced} and no other field (write literal braces as {{ }})")
+
+
+@dataclass
+class ArithCotDataConfig(DataConfig):
+    """Arithmetic with worked solutions (qarl_cli.data.arith_cot): long responses from a small model."""
+
+    name: str = "arith_cot"
+    impl: ClassVar[str] = "qarl_cli.data.arith_cot:ArithCotSource"
+    # Operations per expression, drawn in equal shares: 4 to 8 give worked solutions of about 40 to 140 tokens.
+    ops: List[int] = field(default_factory=lambda: [4, 5, 6, 7, 8])
+    test_size: int = 500
+    instruction: str = ""  # a model warm-started on the solutions needs none
+    max_new_tokens: int = 192  # the longest worked solution (8 operations: about 140) and the end of turn
+    question: str = "{expr}"  # as data=arith's: {expr} or {spaced}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(len(self.ops) > 0 and all(1 <= n <= 8 for n in self.ops), "ops", self.ops,
+                "must be a non-empty list of operation counts from 1 to 8")
+        _check_question(self.question)
 
 
 @dataclass
@@ -162,6 +186,7 @@ class OpenR1MathDataConfig(FileDataConfig):
 
 SCHEMAS = {
     "arith": ArithDataConfig,
+    "arith_cot": ArithCotDataConfig,
     "file": FileDataConfig,
     "gsm8k": GSM8KDataConfig,
     "math": MathDataConfig,
