@@ -107,3 +107,33 @@ def test_a_build_below_its_band_continues_to_its_budget_and_records_it(tmp_path)
     a, b = load_file(str(path / "model.safetensors")), load_file(str(straight / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert json.loads((straight / BUILD_MARKER).read_text())["warm_start"]["steps"] == 4
+
+
+@pytest.mark.parametrize("task", ["arith", "arith_cot"])
+def test_each_task_teaches_its_response_on_problems_disjoint_from_its_checks(tmp_path, task):
+    """The supervised batch's labels are the task's response (the boxed answer, or the worked solution ending in
+    it) and EOS, nothing of the prompt; the held-out check split is disjoint from the test split and from the
+    training stream the warm start draws from."""
+    import itertools
+
+    from qarl_cli.data import arith_cot
+    from qarl_cli.models.tokenizer import BOXED, build_tokenizer
+    from qarl_cli.models.warm_start import TASKS, supervised_batch
+
+    tok = build_tokenizer(tmp_path)
+    spec = TASKS[task]
+    problems = list(itertools.islice(spec.stream(1234), 8))
+    ids, labels, mask = supervised_batch(tok, problems, spec.response)
+    for row, lab, m, p in zip(ids, labels, mask, problems):
+        taught = [int(t) for t in lab if t != -100]
+        assert taught[-1] == tok.eos_token_id
+        text = tok.decode(taught[:-1])
+        expected = arith_cot.solution(p.prompt) if task == "arith_cot" else f"{BOXED}{p.answer}}}"
+        assert text.replace(" ", "") == expected.replace(" ", "") and text.endswith(f"{BOXED}{p.answer}}}")
+        assert taught.count(tok.convert_tokens_to_ids(BOXED)) == 1  # \boxed{ is one token, written once
+        assert [int(t) for t in row[m.bool()][-len(taught):]] == taught  # the sequence ends with its response
+    held, test = heldout_split(200, task), default_test_split(task)
+    train = {p.prompt for p in itertools.islice(spec.stream(1234), 3000)}
+    assert len(held) == 200 and not {p.prompt for p in held} & {p.prompt for p in test}
+    assert not {p.prompt for p in held} & train and not {p.prompt for p in test} & train
+    assert max(len(tok(spec.response(p))["input_ids"]) for p in test) + 1 <= spec.max_new_tokens

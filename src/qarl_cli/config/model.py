@@ -47,6 +47,9 @@ class TinyModelConfig(ModelConfig):
 
     name: str = "tiny_arith"
     impl: ClassVar[str] = "qarl_cli.models.tiny:ensure_tiny_model"
+    # What the warm start teaches (qarl_cli.models.warm_start.TASKS): "arith", the boxed answer of data=arith's
+    # problems; "arith_cot", data=arith_cot's worked solutions.
+    task: ClassVar[str] = "arith"
     dtype: str = "float32"
     hidden_size: int = 128  # multiple of 128 so fp8 128x128 blocks and w4 groups of 128 tile it exactly
     num_layers: int = 4

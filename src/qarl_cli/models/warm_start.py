@@ -1,6 +1,7 @@
-"""Supervised warm start of a tiny model on generated arithmetic: teaches the answer format (\\boxed{N}) and
-some arithmetic, and stops early on purpose, so that RL starts from a model that is right only sometimes and still
-learning (by default its learning rate is not annealed: see TinyModelConfig.warm_start_final_lr).
+"""Supervised warm start of a tiny model on generated arithmetic: teaches the answer format (\\boxed{N}, or for
+model=tiny_cot the worked solution that ends in it) and some arithmetic, and stops early on purpose, so that RL
+starts from a model that is right only sometimes and still learning (by default its learning rate is not
+annealed: see TinyModelConfig.warm_start_final_lr).
 
 How far a fixed number of seeded steps gets depends on the CPU (AVX2 and AVX-512 kernels round differently, and
 the differences compound), so after its configured steps the warm start measures greedy accuracy on a held-out
@@ -9,25 +10,70 @@ split and trains on in fixed chunks until it is inside the target band (TinyMode
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
 
-from qarl_cli.config.data import ArithDataConfig
+from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig
 from qarl_cli.config.model import TinyModelConfig
-from qarl_cli.data import arith
+from qarl_cli.data import arith, arith_cot
 from qarl_cli.data.base import Problem
 from qarl_cli.models.hf_eval import greedy_accuracy, prompt_ids, user_messages
 from qarl_cli.models.tokenizer import BOXED
 from qarl_cli.optim import MuonAdamW, lr_lambda
 
 
-def supervised_batch(tok, problems: Sequence[Problem]):
-    """(input_ids, labels, attention_mask) of the prompts answered with their gold `\\boxed{N}` and EOS, the loss
-    on the answer only, left-padded: the warm start's batch (and scripts/bench_supervised.py's)."""
+def boxed_answer(p: Problem) -> str:
+    return f"{BOXED}{p.answer}}}"
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a tiny model is warm-started on: its training stream, the response it learns to write, its test split
+    (as `qarl train` evaluates it by default) and a held-out split of `n` problems disjoint from both."""
+
+    stream: Callable[[int], Iterator[Problem]]  # seed -> training problems
+    response: Callable[[Problem], str]
+    test: Callable[[], list[Problem]]
+    heldout: Callable[[int], list[Problem]]
+    max_new_tokens: int
+
+
+def _arith_test() -> list[Problem]:
+    return arith.test_split(ArithDataConfig.test_size, ArithDataConfig().levels)
+
+
+def _arith_heldout(size: int) -> list[Problem]:
+    return arith.test_split(ArithDataConfig.test_size + size, ArithDataConfig().levels)[ArithDataConfig.test_size:]
+
+
+def _cot_test() -> list[Problem]:
+    return arith_cot.test_split(ArithCotDataConfig.test_size, ArithCotDataConfig().ops)
+
+
+def _cot_heldout(size: int) -> list[Problem]:
+    ops = ArithCotDataConfig().ops
+    return arith_cot.test_split(ArithCotDataConfig.test_size + size, ops)[ArithCotDataConfig.test_size:]
+
+
+TASKS = {
+    # Level 1 twice as often: it is where the model first learns to read digits, which the others build on.
+    "arith": Task(lambda seed: arith.train_stream(seed=seed, levels=[1, 1, 2, 3]), boxed_answer, _arith_test,
+                  _arith_heldout, ArithDataConfig.max_new_tokens),
+    "arith_cot": Task(lambda seed: arith_cot.train_stream(seed, ArithCotDataConfig().ops),
+                      lambda p: arith_cot.solution(p.prompt), _cot_test, _cot_heldout,
+                      ArithCotDataConfig.max_new_tokens),
+}
+
+
+def supervised_batch(tok, problems: Sequence[Problem], response: Callable[[Problem], str] = boxed_answer):
+    """(input_ids, labels, attention_mask) of the prompts answered with `response` (by default the gold
+    `\\boxed{N}`) and EOS, the loss on the answer only, right-padded: the warm start's batch (and
+    scripts/bench_supervised.py's)."""
     import torch
 
     seqs, labels = [], []
     for ids, p in zip(prompt_ids(tok, user_messages(list(problems))), problems):
-        resp = tok(f"{BOXED}{p.answer}}}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        resp = tok(response(p), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         seqs.append(ids + resp)
         labels.append([-100] * len(ids) + resp)  # loss on the response only
     width = max(map(len, seqs))
@@ -37,12 +83,13 @@ def supervised_batch(tok, problems: Sequence[Problem]):
             torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs]))
 
 
-def supervised_step(model, tok, opt, sched, problems: Sequence[Problem]) -> float:
+def supervised_step(model, tok, opt, sched, problems: Sequence[Problem],
+                    response: Callable[[Problem], str] = boxed_answer) -> float:
     """One step of the supervised loss on `problems` (gradient clipped to norm 1, then the optimizer and the
     schedule); returns the loss. The model must be in train mode."""
     import torch
 
-    ids, labels, mask = supervised_batch(tok, problems)
+    ids, labels, mask = supervised_batch(tok, problems, response)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -52,15 +99,15 @@ def supervised_step(model, tok, opt, sched, problems: Sequence[Problem]) -> floa
     return out.loss.item()
 
 
-def default_test_split() -> list[Problem]:
-    """The arith data's test split as `qarl train` evaluates it by default (the schema's size and levels)."""
-    return arith.test_split(ArithDataConfig.test_size, ArithDataConfig().levels)
+def default_test_split(task: str = "arith") -> list[Problem]:
+    """The task's test split as `qarl train` evaluates it by default (the data schema's size and levels)."""
+    return TASKS[task].test()
 
 
-def heldout_split(size: int) -> list[Problem]:
+def heldout_split(size: int, task: str = "arith") -> list[Problem]:
     """`size` test-class problems (never in a training stream) that come after the default test split in its own
     sequence: disjoint from it, so that checking the band selects nothing on the problems RL is measured on."""
-    return arith.test_split(ArithDataConfig.test_size + size, ArithDataConfig().levels)[ArithDataConfig.test_size:]
+    return TASKS[task].heldout(size)
 
 
 def train_until_in_band(train: Callable[[int], None], measure: Callable[[], float], steps: int, chunk: int,
@@ -84,32 +131,33 @@ def warm_start(model, tok, cfg: TinyModelConfig, log: Callable[[str], None]) -> 
     import torch
     from rich.progress import Progress
 
+    task = TASKS[cfg.task]
     torch.manual_seed(cfg.build_seed)
-    # Level 1 twice as often: it is where the model first learns to read digits, which the others build on.
-    stream = arith.train_stream(seed=cfg.build_seed, levels=[1, 1, 2, 3])
+    stream = task.stream(cfg.build_seed)
     # AdamW alone needs ~10x the steps here. The AdamW part at the full lr with betas (0.9, 0.98): the recipe the
     # default model was built with (qarl train's muon differs: AdamW part at lr / 5, betas from its config).
     opt = MuonAdamW(model, cfg.warm_start_lr, adamw_lr_ratio=1.0, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(max(1, cfg.warm_start_steps // 20), cfg.warm_start_steps,
                                                              "cosine", final=cfg.warm_start_final_lr))
-    heldout = heldout_split(cfg.warm_start_check_size)
+    heldout = task.heldout(cfg.warm_start_check_size)
     start, loss = time.time(), float("nan")
     with Progress(transient=True) as progress:
-        task = progress.add_task("warm start", total=0)
+        bar = progress.add_task("warm start", total=0)
 
         def train(steps: int) -> None:
             nonlocal loss
-            progress.update(task, total=progress.tasks[0].total + steps)
+            progress.update(bar, total=progress.tasks[0].total + steps)
             model.train()
             for _ in range(steps):
-                loss = supervised_step(model, tok, opt, sched, [next(stream) for _ in range(cfg.warm_start_batch)])
-                progress.update(task, advance=1, description=f"warm start (loss {loss:.3f})")
+                loss = supervised_step(model, tok, opt, sched, [next(stream) for _ in range(cfg.warm_start_batch)],
+                                       task.response)
+                progress.update(bar, advance=1, description=f"warm start (loss {loss:.3f})")
 
-        run = train_until_in_band(train, lambda: greedy_accuracy(model, tok, heldout)["accuracy"],
-                                  cfg.warm_start_steps, cfg.warm_start_chunk_steps, cfg.warm_start_max_steps,
-                                  cfg.warm_start_target_band)
+        measure = lambda: greedy_accuracy(model, tok, heldout, task.max_new_tokens)["accuracy"]  # noqa: E731
+        run = train_until_in_band(train, measure, cfg.warm_start_steps, cfg.warm_start_chunk_steps,
+                                  cfg.warm_start_max_steps, cfg.warm_start_target_band)
     seconds = time.time() - start
-    acc = greedy_accuracy(model, tok, default_test_split())
+    acc = greedy_accuracy(model, tok, task.test(), task.max_new_tokens)
     lo, hi = cfg.warm_start_target_band
     log(f"[qarl] warm start: {run['steps']} steps in {seconds:.0f} s, final loss {loss:.3f}, greedy accuracy "
         f"{run['heldout_accuracy']:.1%} held out (band {lo:.0%}-{hi:.0%}), {acc['accuracy']:.1%} on the test split")
