@@ -372,15 +372,61 @@ def _tagged(tag):
     return found
 
 
-# Known defect, open: a SIGINT that lands during an in-place vLLM sync is reported in one line and checkpointed,
-# but the process then dies of a second SIGINT (returncode -2, not 130). Reproduced at 29dd685 as well, 2 runs of 2;
-# whether the signal lands in the sync depends on timing, so the case passes on some runs.
-_SIGINT_IN_SYNC = pytest.mark.xfail(strict=False, reason="known defect: SIGINT during an in-place vLLM sync exits "
-                                    "by the signal (-2) after the one-line report, instead of with 130")
+# Known defect, open: on a loaded machine the SIGINT case has ended with everything below in order (the one-line
+# report "during sync", the checkpoint, no process or scratch left) and then returncode -2, the process dead of a
+# SIGINT, instead of 130; seen at 29dd685 (2 runs of 2) and later (2 of 3), not since. A shell reports both as
+# $? = 130. A SIGINT raised at fixed points of the sync (the reload, the verify probe) exits 130 every time
+# (test_a_sigint_inside_the_sync_exits_130 below), so where the second SIGINT comes from is not known. Every other
+# assertion stays strict; only that exit status is reported as an expected failure.
+_SIGINT_DEATH = "known intermittent defect: after the one-line report the process died of SIGINT (-2), not exit 130"
+
+
+# Runs `qarl train` with a SIGINT raised from inside the engine's code at the N-th call of one function: the signal
+# lands there deterministically, where a signal from outside lands wherever the process happens to be.
+_INTERRUPT_INSIDE = """
+import os, signal, sys
+import importlib
+mod, attr, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+owner = importlib.import_module(mod)
+path = attr.split(".")
+for name in path[:-1]:
+    owner = getattr(owner, name)
+orig, calls = getattr(owner, path[-1]), [0]
+def interrupted(*a, **k):
+    calls[0] += 1
+    if calls[0] == at:
+        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: inside this call
+    return orig(*a, **k)
+setattr(owner, path[-1], interrupted)
+from qarl_cli.cli import main
+sys.argv = sys.argv[3:]
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, marks=_SIGINT_IN_SYNC), signal.SIGTERM])
+@pytest.mark.parametrize("where", [("qarl_cli.rollout.vllm_reload", "reload_in_place", 2, "sync"),
+                                   ("qarl_cli.rollout.vllm_engine", "VLLMEngine.score", 2, "sync")],
+                         ids=["reload", "verify-probe"])
+def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):
+    """Ctrl-C landing inside the in-place weight reload or the sync's verify probe (the second call of each: the
+    first belongs to start-up): the one-line report naming the stage, step 1 checkpointed, exit 130."""
+    mod, attr, at, stage = where
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE, mod, attr, str(at), "train", *SMALL,
+                           f"hydra.run.dir={run}", "steps=5", "eval_every=0", "sync.verify_every=1"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    stopped = [ln for ln in proc.stderr.splitlines() if " at step " in ln]
+    assert stopped == [f"qarl train: error: interrupted at step 1 (during {stage}); checkpoint "
+                       f"{run}/checkpoints/step_000001 written; resume with resume={run}"], proc.stderr[-2000:]
+    assert state_latest(run) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_run_stops_in_one_line_keeps_the_step_and_leaves_no_process(tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM during a real run with the in-process vLLM engine: one line on stderr (no
     traceback from inside vLLM), the trained step checkpointed, and no process of the run left behind."""
@@ -396,13 +442,16 @@ def test_a_signal_mid_run_stops_in_one_line_keeps_the_step_and_leaves_no_process
             break
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 128 + sig, err[-3000:]  # the shell's code for a process ended by the signal
     assert "Traceback" not in err, err[-3000:]
     how = "interrupted" if sig == signal.SIGINT else "terminated by SIGTERM"
     stopped = [ln for ln in err.splitlines() if " at step " in ln]
     assert len(stopped) == 1 and stopped[0].startswith(f"qarl train: error: {how} at step "), err[-2000:]
     assert f"resume with resume={run}" in stopped[0] and state_latest(run) is not None
     assert _tagged(tag) == []
+    assert list(Path("/dev/shm").glob(f"qarl-engine-*-{proc.pid}-*")) == []  # the engine's scratch copy is gone
+    if sig == signal.SIGINT and proc.returncode == -signal.SIGINT:
+        pytest.xfail(_SIGINT_DEATH)
+    assert proc.returncode == 128 + sig, err[-3000:]  # the shell's code for a process ended by the signal
 
 
 def state_latest(run):
