@@ -18,6 +18,8 @@ def _value(node):
         return _value(node.body)
     if isinstance(node, ast.BinOp):
         return OPS[type(node.op)](_value(node.left), _value(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):  # arith_cot's rewrites write "12+-8"
+        return -_value(node.operand)
     assert isinstance(node, ast.Constant) and isinstance(node.value, int)
     return node.value
 

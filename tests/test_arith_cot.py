@@ -2,28 +2,13 @@
 
 import ast
 import itertools
-import operator
 import re
 
 import pytest
+from test_arith import _value  # the independent evaluator (ast), unary minus included
 
 from qarl_cli.config.data import ArithCotDataConfig
 from qarl_cli.data import arith_cot
-
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
-
-
-def _value(node):
-    """An evaluator written from the syntax tree, independent of the generator's own."""
-    if isinstance(node, ast.Expression):
-        return _value(node.body)
-    if isinstance(node, ast.BinOp):
-        return OPS[type(node.op)](_value(node.left), _value(node.right))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_value(node.operand)
-    assert isinstance(node, ast.Constant) and isinstance(node.value, int)
-    return node.value
-
 
 def _numbers(line):
     return len(re.findall(r"\d+", line))

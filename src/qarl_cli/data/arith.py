@@ -15,7 +15,7 @@ import random
 import re
 import zlib
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from qarl_cli.data.base import Problem
 
@@ -57,33 +57,51 @@ def is_test(expr: str) -> bool:
     return zlib.crc32(expr.encode()) % 10 == 0
 
 
-def test_split(size: int, levels: Sequence[int]) -> list[Problem]:
-    """`size` distinct test problems, levels in equal shares (round robin); the same on every machine."""
-    rng = random.Random("arith-test")
+def draw_test(prefix: str, size: int, kinds: Sequence[int], gen: Callable, is_test: Callable[[str], bool],
+              make: Callable[[str, int], Problem], what: str = "levels") -> list[Problem]:
+    """`size` distinct test problems of a generated task, its kinds (arith's levels, arith_cot's operation counts)
+    in equal shares (round robin), drawn by `gen(rng, kind)` from one fixed seed: the same on every machine."""
+    rng = random.Random(f"{prefix}-test")
     seen: set[str] = set()
     out: list[Problem] = []
     for _ in range(1000 * size + 1000):  # a bound, so that an impossible size fails instead of looping
         if len(out) == size:
             return out
-        level = levels[len(out) % len(levels)]
-        expr = LEVELS[level](rng)
+        kind = kinds[len(out) % len(kinds)]
+        expr = gen(rng, kind)
         if is_test(expr) and expr not in seen:
             seen.add(expr)
-            out.append(make(expr, level))
-    raise ValueError(f"arith: not enough distinct test problems for test_size={size} at levels {list(levels)}")
+            out.append(make(expr, kind))
+    raise ValueError(f"{prefix.replace('-', '_')}: not enough distinct test problems for test_size={size} at {what} "
+                     f"{list(kinds)}")
+
+
+def draw_train(prefix: str, seed: int, kinds: Sequence[int], gen: Callable, is_test: Callable[[str], bool],
+               make: Callable[[str, int], Problem], start: int = 0) -> Iterator[Problem]:
+    """An endless stream of training problems (never a test problem); problem i depends only on (seed, i)."""
+    i = start
+    while True:
+        rng = random.Random(f"{prefix}-train-{seed}-{i}")
+        kind = kinds[rng.randrange(len(kinds))]
+        expr = gen(rng, kind)
+        while is_test(expr):
+            expr = gen(rng, kind)
+        yield make(expr, kind)
+        i += 1
+
+
+def _generate(rng: random.Random, level: int) -> str:
+    return LEVELS[level](rng)
+
+
+def test_split(size: int, levels: Sequence[int]) -> list[Problem]:
+    """`size` distinct test problems, levels in equal shares (round robin); the same on every machine."""
+    return draw_test("arith", size, levels, _generate, is_test, make)
 
 
 def train_stream(seed: int, levels: Sequence[int], start: int = 0) -> Iterator[Problem]:
     """An endless stream of training problems (never a test problem); problem i depends only on (seed, i)."""
-    i = start
-    while True:
-        rng = random.Random(f"arith-train-{seed}-{i}")
-        level = levels[rng.randrange(len(levels))]
-        expr = LEVELS[level](rng)
-        while is_test(expr):
-            expr = LEVELS[level](rng)
-        yield make(expr, level)
-        i += 1
+    return draw_train("arith", seed, levels, _generate, is_test, make, start)
 
 
 def spaced(expr: str) -> str:

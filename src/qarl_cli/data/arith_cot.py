@@ -21,7 +21,7 @@ import re
 import zlib
 from typing import Iterator, Sequence
 
-from qarl_cli.data.arith import asked, evaluate
+from qarl_cli.data.arith import asked, draw_test, draw_train, evaluate
 from qarl_cli.data.base import Problem
 
 _TOKEN = re.compile(r"\d+|[-+*()]")
@@ -107,31 +107,12 @@ def make(expr: str, ops: int) -> Problem:
 
 def test_split(size: int, ops: Sequence[int]) -> list[Problem]:
     """`size` distinct test problems, operation counts in equal shares; the same on every machine."""
-    rng = random.Random("arith-cot-test")
-    seen: set[str] = set()
-    out: list[Problem] = []
-    for _ in range(1000 * size + 1000):
-        if len(out) == size:
-            return out
-        n = ops[len(out) % len(ops)]
-        expr = generate(rng, n)
-        if is_test(expr) and expr not in seen:
-            seen.add(expr)
-            out.append(make(expr, n))
-    raise ValueError(f"arith_cot: not enough distinct test problems for test_size={size} at ops {list(ops)}")
+    return draw_test("arith-cot", size, ops, generate, is_test, make, what="ops")
 
 
 def train_stream(seed: int, ops: Sequence[int], start: int = 0) -> Iterator[Problem]:
     """An endless stream of training problems (never a test problem); problem i depends only on (seed, i)."""
-    i = start
-    while True:
-        rng = random.Random(f"arith-cot-train-{seed}-{i}")
-        n = ops[rng.randrange(len(ops))]
-        expr = generate(rng, n)
-        while is_test(expr):
-            expr = generate(rng, n)
-        yield make(expr, n)
-        i += 1
+    return draw_train("arith-cot", seed, ops, generate, is_test, make, start)
 
 
 class ArithCotSource:
