@@ -20,9 +20,6 @@ from typing import Any
 
 import torch
 
-_KEEPALIVE = "_qarl_scale_keepalive"
-
-
 def _is_cpu() -> bool:
     from vllm.platforms import current_platform
 
@@ -30,23 +27,11 @@ def _is_cpu() -> bool:
 
 
 def install_cpu_fixes(worker: Any = None) -> bool:
-    """Fix 3, once per process: the oneDNN int8 kernel holds the scale tensor its handle points to."""
-    if not _is_cpu():
-        return False
-    from vllm.model_executor.kernels.linear.scaled_mm.cpu import CPUInt8ScaledMMLinearKernel
+    """Fix 3 (and the AMX int8 kernel choice): rollout.vllm_transfer.install_cpu_fixes, which qarl's vLLM plugin
+    runs in every vLLM process before the model loads."""
+    from qarl_cli.rollout.vllm_transfer import install_cpu_fixes as install
 
-    original = CPUInt8ScaledMMLinearKernel.process_weights_for_onednn
-    if getattr(original, "_qarl_patched", False):
-        return True
-
-    def process_weights_for_onednn(self, layer: torch.nn.Module) -> None:
-        original(self, layer)
-        w_s_name = self.layer_param_names[1]
-        setattr(self, _KEEPALIVE, getattr(layer, w_s_name))  # the tensor dnnl_handler reads
-
-    process_weights_for_onednn._qarl_patched = True  # type: ignore[attr-defined]
-    CPUInt8ScaledMMLinearKernel.process_weights_for_onednn = process_weights_for_onednn
-    return True
+    return install()
 
 
 def _received(weights: Any) -> list[tuple[str, torch.Tensor]]:
