@@ -1,6 +1,6 @@
 """Schemas of the small stage groups: `rollout`, `forward`, `sync` and `logger`."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from omegaconf import MISSING
@@ -54,7 +54,48 @@ class TorchRolloutConfig(RolloutConfig):
         require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
 
 
-ROLLOUT_SCHEMAS = {"vllm": VLLMRolloutConfig, "torch": TorchRolloutConfig}
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass
+class VLLMServerRolloutConfig(VLLMRolloutConfig):
+    """num_servers real vLLM servers (`vllm serve`'s OpenAI server) that qarl launches and stops, or attaches to
+    (urls); weights through vLLM's RL API. Engine fields as rollout=vllm, per server."""
+
+    name: str = "vllm_server"
+    impl: ClassVar[str] = "qarl_cli.rollout.vllm_server:ServerEngine"
+    num_servers: int = 1
+    urls: list = field(default_factory=list)  # attach to these running servers instead of launching any
+    host: str = "127.0.0.1"  # where launched servers listen; another address needs api_key
+    base_port: int = 0  # server i listens on base_port + i; 0: free ports chosen at start
+    # Per server: CUDA_VISIBLE_DEVICES on a GPU machine ("0,1,2,3"), the cores on a CPU one ("0-3"); empty:
+    # all GPUs / an even split of the cores.
+    devices: list = field(default_factory=list)
+    # The key every request carries (servers refuse requests without it, /health aside). null: a random key per
+    # run, or QARL_SERVER_KEY from the environment (attached servers need the one they were started with).
+    api_key: Optional[str] = None
+    max_concurrency: int = 64  # requests in flight per server
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    restart_failed: bool = True  # a server that dies is restarted (false: dropped, the others take its requests)
+    max_restarts: int = 3  # per server and run
+    transfer_backend: str = "qarl_shm"  # vLLM weight-transfer backend the servers start with (qarl's plugin)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.num_servers >= 1, "num_servers", self.num_servers, "must be >= 1")
+        require(not self.devices or len(self.devices) == self.num_servers, "devices", list(self.devices),
+                f"needs one entry per server (num_servers={self.num_servers})")
+        require(self.host in LOOPBACK_HOSTS or bool(self.api_key), "host", self.host,
+                "is not a loopback address: set rollout.api_key, which every request must then carry")
+        require(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
+        require(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be > 0")
+        require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
+        require(self.transfer_backend == "qarl_shm", "transfer_backend", self.transfer_backend,
+                "only qarl_shm (one node, host shared memory) is driven by this version")
+
+
+ROLLOUT_SCHEMAS = {"vllm": VLLMRolloutConfig, "torch": TorchRolloutConfig, "vllm_server": VLLMServerRolloutConfig}
 
 
 # ---- forward: what the learner's forward pass computes ---------------------------------------------------------
@@ -106,8 +147,12 @@ class InplaceSyncConfig(SyncConfig):
     # Largest mean |logprob gap| over the probe's tokens the verify accepts. Measured on the tiny model (CPU):
     # ~2e-7 unquantized fp32, ~5e-4 int8 (rounding flips in vLLM's kernels); a stale or garbled engine: >5e-2.
     verify_tolerance: float = 1e-2
+    # vLLM servers (rollout=vllm_server): weights travel in buckets of at most this many MiB, so the sender holds
+    # one bucket at a time, not the model (one tensor larger than a bucket travels alone).
+    bucket_mb: int = 256
 
     def __post_init__(self) -> None:
+        require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, "must be >= 1")
         require(self.mode in SYNC_MODES, "mode", self.mode, f"must be one of {', '.join(SYNC_MODES)}")
         require(self.verify_every >= 0, "verify_every", self.verify_every, "must be >= 0")
         require(self.verify_tolerance > 0, "verify_tolerance", self.verify_tolerance, "must be > 0")

