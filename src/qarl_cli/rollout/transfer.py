@@ -25,7 +25,7 @@ import torch
 
 from qarl_cli.rollout.base import WeightSyncError
 from qarl_cli.rollout.vllm_transfer import FILE_PREFIX
-from qarl_cli.rollout.weights import checked, without_aliases
+from qarl_cli.rollout.weights import checked
 
 
 def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, directory: Path, version: str,
@@ -46,8 +46,33 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
             paths.append(path)
         bucket, size = {}, 0
 
+    # Tied pairs (alias -> the name the server stores it under): the alias is compared with its target once
+    # both came, then dropped; the servers store the tensor once.
+    targets: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}  # aliases that came before their target
+
+    def same(alias: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if not torch.equal(a, b):
+            raise WeightSyncError(f"{engine}: weight {alias!r} differs from {aliases[alias]!r}, which the served "
+                                  "model ties it to (tie_word_embeddings); the engine kept its old weights")
+
+    seen: set[str] = set()
     for name, tensor in weights:
-        for name, tensor in checked(without_aliases([(name, tensor)], aliases, engine), spec, engine):
+        if name in seen:
+            raise WeightSyncError(f"{engine}: weight {name!r} sent twice; the engine kept its old weights")
+        seen.add(name)
+        if name in aliases:
+            if aliases[name] in targets:
+                same(name, tensor, targets[aliases[name]])
+            else:
+                waiting[name] = tensor
+            continue
+        if name in aliases.values():
+            targets[name] = tensor
+            for alias in [a for a in waiting if aliases[a] == name]:
+                same(alias, waiting.pop(alias), tensor)
+        items = [(name, tensor)]
+        for name, tensor in checked(items, spec, engine):
             nbytes = tensor.numel() * tensor.element_size()
             if bucket and size + nbytes > bucket_bytes:
                 flush()
@@ -55,6 +80,8 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
             size += nbytes
             peak = max(peak, size)
     flush()
+    for alias, tensor in waiting.items():  # its target never came: the server has no weight of that name
+        checked([(alias, tensor)], spec, engine)
     return paths, peak
 
 
