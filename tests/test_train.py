@@ -189,7 +189,7 @@ def test_paper_experiment_composes_into_the_server_topology(tmp_path):
     data.write_text("".join(json.dumps({"uuid": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)})
                             + "\n" for i in range(12)))
     out = subprocess.run([*QARL, "+experiment=qwen3_30b_a3b_fp8", "model=tiny_moe", "dry_run=true", "quant=int8",
-                          f"data.path={data}", "data.test_size=4", "reward.num_workers=1", "logger=console",
+                          f"data.path={data}", "data.test_size=4", "reward.num_workers=1",
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600,
                          env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -479,3 +479,20 @@ def state_latest(run):
     from qarl_cli.train.state import latest
 
     return latest(run)
+
+
+@pytest.mark.slow
+def test_asynchronous_rollouts_train_on_batches_one_update_old(tmp_path):
+    """rollout.max_staleness=1: each step's batch was generated while the previous step trained, by the weights
+    one update behind (weight version step-2 at step >= 2, staleness 1); the problems and sampling seeds are those of the synchronous run, so its first batch (same
+    weights) is the same batch."""
+    runs = {}
+    for k in (0, 1):
+        run = tmp_path / f"k{k}"
+        _train(run, "rollout=torch", "steps=4", "eval_every=0", "checkpoint_every=0", f"rollout.max_staleness={k}")
+        runs[k] = _metrics(run)
+    sync, lag = runs[0], runs[1]
+    assert [sync[s]["rollout/staleness_mean"] for s in range(1, 5)] == [0, 0, 0, 0]
+    assert [lag[s]["rollout/staleness_mean"] for s in range(1, 5)] == [0, 1, 1, 1]
+    assert [lag[s]["rollout/weight_version"] for s in range(1, 5)] == [0, 0, 1, 2]
+    assert lag[1]["reward/mean"] == sync[1]["reward/mean"] and lag[1]["response/len_mean"] == sync[1]["response/len_mean"]

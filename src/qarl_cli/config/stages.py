@@ -13,9 +13,13 @@ from qarl_cli.config.errors import require
 @dataclass
 class RolloutConfig:
     name: str = MISSING  # option name
+    # Asynchronous rollouts: the batches of the next k steps are generated while the current one trains, so a
+    # batch comes from weights up to k updates old (corrected by the objective's rollout/old ratio). 0: the
+    # synchronous loop (resume is exact only there). One trainer process only (not under torchrun yet).
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
-        pass
+        require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class VLLMRolloutConfig(RolloutConfig):
     sleep_between_steps: bool = False  # colocated with the trainer: free engine memory during the update
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
                 "must be in (0, 1]")
@@ -51,6 +56,7 @@ class TorchRolloutConfig(RolloutConfig):
     batch_size: int = 256  # sequences decoded together
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
 
 

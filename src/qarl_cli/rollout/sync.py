@@ -63,11 +63,17 @@ class InplaceSync:
         verify raises WeightSyncError after the load. Engines in this process take the tensors (load_weights);
         vLLM servers (an engine with weight_receivers) get them through vLLM's RL API (rollout.transfer)."""
         start = time.perf_counter()
-        metrics: dict[str, float] = {}
-        if hasattr(engine, "weight_receivers"):
-            metrics.update(self._transfer(engine).push(self.weights(model), str(self.syncs + 1)))
-        else:
-            engine.load_weights(self.weights(model))
+        weights = self.weights(model)  # under torchrun a collective: every rank gathers, rank 0 gets the tensors
+        version = str(self.syncs + 1)
+
+        def deliver(target: Any) -> dict[str, float]:
+            if hasattr(target, "weight_receivers"):
+                return self._transfer(target).push(weights, version)
+            target.load_weights(weights)
+            return {}
+
+        # rank 0's engine as all ranks see it (train.distributed.MainEngine) delivers there, errors everywhere
+        metrics = dict((engine.deliver(deliver) if hasattr(engine, "deliver") else deliver(engine)) or {})
         metrics["time/sync"] = time.perf_counter() - start
         self.syncs += 1
         if self.cfg.verify_every and self.syncs % self.cfg.verify_every == 0:

@@ -174,6 +174,11 @@ class MainEngine:
     def load_weights(self, weights: Any) -> None:  # the other ranks' iterables are empty (model_state)
         self.dist.main_only(lambda: self.engine.load_weights(weights), send=False)
 
+    def deliver(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(engine) on rank 0 (the sync's delivery of the gathered weights); rank 0 gets its result, the others
+        None; an error on rank 0 is raised on every rank."""
+        return self.dist.main_only(lambda: fn(self.engine), send=False)
+
     def sleep(self) -> None:
         self.dist.main_only(lambda: self.engine.sleep(), send=False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -33,9 +33,13 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
             fresh = not run.resumed_from and cfg.eval_every
             with tracker.stage("eval"):
                 history = report.evaluate_now(run, run.start_step, console) if fresh else []
-            stream = run.splits.train_stream(start=run.start_step * cfg.prompts_per_step)
+            from qarl_cli.train.rollouts import Rollouts
+
+            rollouts = Rollouts(run, run.splits.train_stream(start=run.start_step * cfg.prompts_per_step),
+                                run.start_step, version=run.start_step)
+            run.stack.callback(rollouts.close)  # before the engine closes: it waits for a generation in flight
             for step in range(run.start_step, cfg.steps):
-                metrics, samples = one_step(run, step, stream, tracker)
+                metrics, samples = one_step(run, step, rollouts, tracker)
                 done = step + 1
                 if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
                     with tracker.stage("eval"):
@@ -57,22 +61,23 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
     return 0
 
 
-def one_step(run: Any, step: int, stream: Iterator, tracker: "_Tracker") -> tuple[dict, list]:
+def one_step(run: Any, step: int, rollouts: Any, tracker: "_Tracker") -> tuple[dict, list]:
     from qarl_cli.advantages import step_advantages
     from qarl_cli.train.collect import score
     from qarl_cli.train.sequences import pack
 
     cfg, start = run.cfg, time.perf_counter()
     tracker.times.clear()
-    problems = [next(stream) for _ in range(cfg.prompts_per_step)]
-    prompts = run.encode(problems)
-    with tracker.stage("rollout"):
-        batch = run.engine.generate(prompts, cfg.samples_per_prompt, cfg.temperature, cfg.top_p,
-                                    cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+    with tracker.stage("rollout"):  # generated now, or ahead while earlier steps trained (rollout.max_staleness)
+        taken = rollouts.take(step, cfg.steps)
+    problems, prompts, batch = taken.problems, taken.prompts, taken.batch
     with tracker.stage("reward"):
         scored = score(batch, problems, run.tokenizer, run.reward, cfg.max_new_tokens)
     advantages, keep = step_advantages(scored.rewards, cfg.samples_per_prompt, cfg.algorithm)
-    metrics = {**scored.metrics, "advantage/signal_frac": keep.float().mean().item()}
+    metrics = {**scored.metrics, "advantage/signal_frac": keep.float().mean().item(),
+               "rollout/weight_version": float(taken.version),
+               "rollout/staleness_mean": float(rollouts.version - taken.version),
+               "time/rollout_wait": taken.wait_s, "time/rollout_generate": batch.seconds}
     updated = 0
     if keep.any():  # groups whose samples all got the same reward carry no signal: not trained on
         seqs = pack(prompts, batch, run.tokenizer.pad_token_id or 0).select(keep.nonzero()[:, 0])
@@ -88,9 +93,11 @@ def one_step(run: Any, step: int, stream: Iterator, tracker: "_Tracker") -> tupl
             run.engine.wake_up()  # awake for the sync, the evaluation and the next rollout
         updated = int(metrics["update/optimizer_steps"])
     run.learner.end_step()  # the schedule follows RL steps, signal or not
+    rollouts.settle()  # the engine's weights change only between generations
     if updated:  # unchanged weights are not pushed again
         with tracker.stage("sync"):
             metrics.update(run.sync.push(run.model, run.engine))
+    rollouts.weights_updated()  # the version counts steps: a step without an update keeps its weights
     tracker.trained = step + 1
     return {**metrics, **{f"time/{k}": v for k, v in tracker.times.items()},
             "time/step": time.perf_counter() - start}, scored.samples

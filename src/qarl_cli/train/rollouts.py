@@ -1,0 +1,83 @@
+"""The rollout stage as the loop sees it: the batch of each step, generated when the step asks for it
+(`rollout.max_staleness=0`) or ahead of it, while the trainer works on earlier ones (k > 0).
+
+With k > 0 the batches of the next k steps are generated in a background thread, in step order, with the weights
+the engine holds when each starts: the batch of step t+1 is sampled while step t trains, so it comes from the
+policy one update behind the one that trains on it (staleness 1). Before every weight sync (and evaluation) the
+loop waits for what is in flight (`settle`), so an engine never changes weights mid-generation. Every batch carries
+the weight version that produced it (`meta["weight_version"]`, one per sample); the objectives correct the lag
+through the rollout/old ratio they already use for quantization mismatch (docs/objectives.md).
+
+Which problems and which sampling seed a step gets depend on the step alone, so k = 0 is exactly the synchronous
+loop, and resume is exact for it. For k > 0 a resumed run's first batch is generated with the checkpoint's
+weights (staleness 0 where the uninterrupted run had 1): same problems, same seeds, a slightly fresher policy."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+
+@dataclass
+class Taken:
+    problems: list
+    prompts: list[list[int]]
+    batch: Any  # RolloutBatch
+    version: int  # weight version that generated it
+    wait_s: float  # how long the step waited for it
+
+
+class Rollouts:
+    def __init__(self, run: Any, stream: Iterator, start_step: int, version: int = 0) -> None:
+        self.run, self.stream, self.k = run, stream, run.cfg.rollout.max_staleness
+        self.version = version  # weights the engine serves: bumped by the loop after each sync
+        self.next_step = start_step  # the first step whose problems are not drawn yet
+        self.pending: dict[int, tuple[list, list, Future, int]] = {}
+        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "qarl-rollout") if self.k else None
+
+    def _generate(self, step: int, prompts: list[list[int]]):
+        cfg = self.run.cfg
+        return self.run.engine.generate(prompts, cfg.samples_per_prompt, cfg.temperature, cfg.top_p,
+                                        cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+
+    def _start(self, step: int) -> None:
+        assert step == self.next_step, (step, self.next_step)  # problems are drawn in step order
+        problems = [next(self.stream) for _ in range(self.run.cfg.prompts_per_step)]
+        prompts = self.run.encode(problems)
+        future: Future = Future()
+        if self.pool is None:
+            future.set_result(None)  # generated in take(), synchronously
+        else:
+            future = self.pool.submit(self._generate, step, prompts)
+        self.pending[step] = (problems, prompts, future, self.version)
+        self.next_step += 1
+
+    def take(self, step: int, last_step: int) -> Taken:
+        """Step `step`'s batch; with k > 0, first starts the batches of steps up to step + k (before last_step)."""
+        if step not in self.pending:
+            self._start(step)
+        for ahead in range(self.next_step, min(step + self.k, last_step - 1) + 1):
+            self._start(ahead)
+        problems, prompts, future, version = self.pending.pop(step)
+        start = time.perf_counter()
+        batch = future.result() if self.pool is not None else self._generate(step, prompts)
+        batch.meta["weight_version"] = [version] * len(batch)
+        return Taken(problems, prompts, batch, version, time.perf_counter() - start)
+
+    def settle(self) -> None:
+        """Wait until nothing is being generated (before the engine's weights change, or it evaluates)."""
+        for _, _, future, _ in self.pending.values():
+            future.exception()  # waits; an error is raised when its step takes the batch
+
+    def weights_updated(self) -> None:
+        self.version += 1
+
+    def close(self) -> None:
+        """Wait for a generation in flight (the engine must not close under it), then stop the thread."""
+        if self.pool is not None:
+            for _, _, future, _ in self.pending.values():
+                future.cancel() or future.exception()
+            self.pool.shutdown(wait=True)
+            self.pool = None
