@@ -1,0 +1,159 @@
+"""One vLLM server as qarl sees it (rollout=vllm_server): a process qarl started, or a URL it was given. Started
+from one long-lived thread with the parent-death signal and in its own process group, so that stop() ends the
+server with its engine core and workers, and a qarl killed outright takes it along; requests carry the run's key."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from qarl_cli.config.errors import UserError
+
+NAME = "rollout=vllm_server"
+
+class ServerDied(RuntimeError):
+    """A server stopped answering (its process exited, the connection was refused or reset)."""
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class _Launcher:
+    """Starts every server process from one thread that lives as long as this process: the parent-death signal
+    fires when the *thread* that forked the child ends, so a server started from a request's worker thread (a
+    restart) would be killed as soon as that thread finished."""
+
+    _lock = threading.Lock()
+    _queue: Any = None
+
+    @classmethod
+    def popen(cls, *args, **kwargs) -> subprocess.Popen:
+        import queue
+
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(target=cls._serve, name="qarl-server-launcher", daemon=True).start()
+        answer: "queue.Queue" = queue.Queue(1)
+        cls._queue.put((args, kwargs, answer))
+        result = answer.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    @classmethod
+    def _serve(cls) -> None:
+        while True:
+            args, kwargs, answer = cls._queue.get()
+            try:
+                answer.put(subprocess.Popen(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                answer.put(e)
+
+
+class Server:
+    """One vLLM server: a process qarl started (`command` given) or a URL it was told about."""
+
+    def __init__(self, index: int, url: str, key: str, command: Optional[list[str]] = None,
+                 env: Optional[dict] = None, log: Optional[Path] = None, timeout: float = 600.0) -> None:
+        import requests
+
+        self.index, self.url, self.command, self.env, self.log = index, url.rstrip("/"), command, env, log
+        self.timeout = timeout
+        self.headers = {"Authorization": f"Bearer {key}"}
+        self.proc: Optional[subprocess.Popen] = None
+        self.local = threading.local()  # one HTTP session per thread
+        self.restarts = 0
+        self._requests = requests
+
+    def session(self):
+        if not hasattr(self.local, "session"):
+            self.local.session = self._requests.Session()
+        return self.local.session
+
+    def start(self, startup_timeout: float) -> None:
+        if self.command is None:
+            self.wait_healthy(startup_timeout)
+            return
+        with open(self.log, "ab") as out:
+            self.proc = _Launcher.popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL)
+        self.wait_healthy(startup_timeout)
+
+    def alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.alive():
+                raise UserError(f"{NAME}: server {self.index} ({self.url}) exited with code {self.proc.returncode} "
+                                f"while starting; the last lines of {self.log}:\n{self.tail()}")
+            try:
+                if self.session().get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except self._requests.RequestException:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"{NAME}: server {self.index} ({self.url}) not healthy after {timeout:.0f} s "
+                                f"(rollout.startup_timeout_s)" + (f"; the last lines of {self.log}:\n{self.tail()}"
+                                                                  if self.log else ""))
+            time.sleep(0.5)
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(Path(self.log).read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, TypeError):
+            return ""
+
+    def post(self, path: str, body: Optional[dict] = None, params: Optional[dict] = None,
+             timeout: Optional[float] = None) -> Any:
+        """POST to the server; its JSON answer. ServerDied when it is gone; RuntimeError naming the route and the
+        server's message when it answers with an error."""
+        try:
+            r = self.session().post(f"{self.url}{path}", json=body, params=params, headers=self.headers,
+                                    timeout=timeout or self.timeout)
+        except (self._requests.ConnectionError, self._requests.Timeout) as e:
+            raise ServerDied(f"server {self.index} ({self.url}): {type(e).__name__}") from e
+        if r.status_code >= 500 and not self.alive():
+            raise ServerDied(f"server {self.index} ({self.url}) exited (code {self.proc.returncode})")
+        if r.status_code != 200:
+            raise RuntimeError(f"{NAME}: server {self.index} {path} answered {r.status_code}: {r.text[:300]}")
+        return r.json() if r.content else None
+
+    def stop(self, grace: float = 15.0) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)  # the server and its engine core and workers
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # a group member that outlived its leader (an orphaned worker)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
