@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 
@@ -153,7 +152,8 @@ def test_a_bad_tensor_reaches_no_server(src, int8_pair):
 
 
 def test_a_server_killed_mid_rollout_loses_no_sample(src):
-    """SIGKILL of one server's process group while a rollout is in flight: the rollout completes with every
+    """SIGKILL of one server's process group as it takes its third request of a rollout (its first two answered,
+    other requests in flight on both servers): the rollout completes with every
     request answered once (the dead server's requests resubmitted, the server restarted with the current
     weights replayed into it)."""
     engine = _engine(src, NoQuantConfig(), num_servers=2, max_concurrency=2)
@@ -164,13 +164,18 @@ def test_a_server_killed_mid_rollout_loses_no_sample(src):
         sync.push(trainer, engine)
         victim = engine.servers[0]
         pid = victim.proc.pid
-        result = {}
-        run = threading.Thread(target=lambda: result.update(b=engine.generate(PROMPTS, 4, 1.0, 1.0, 40, seed=9)))
-        run.start()
-        time.sleep(0.5)
-        os.killpg(pid, signal.SIGKILL)
-        run.join(600)
-        batch = result["b"]
+        calls, post = [0], victim.post
+
+        def dies_at_its_third_request(path, body=None, **kw):  # mid-rollout, whatever the machine's speed
+            if path == "/v1/completions":
+                calls[0] += 1
+                if calls[0] == 3:
+                    os.killpg(pid, signal.SIGKILL)
+                    victim.proc.wait()
+            return post(path, body, **kw)
+
+        victim.post = dies_at_its_third_request
+        batch = engine.generate(PROMPTS, 4, 1.0, 1.0, 40, seed=9)
         assert len(batch) == len(PROMPTS) * 4 and batch.prompt_index == [i for i in range(96) for _ in range(4)]
         assert batch.meta["resubmitted"] >= 1 and victim.restarts == 1 and victim.proc.pid != pid
         # the restarted server serves the pushed weights, not its start-up checkpoint
