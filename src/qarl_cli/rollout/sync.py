@@ -3,7 +3,8 @@
 mode=prequantized (the paper's path): Wq' = Q(W') is computed once, by the trainer, with the scheme the aligned
 forward uses, and the packed low-bit tensors + scales are sent; the engine does not quantize. mode=online: the
 unquantized masters are sent and the engine quantizes them with the same scheme (half the bytes of bf16 are
-saved by prequantized on a real interconnect; here both run in one process).
+saved by prequantized on a real interconnect). For vLLM engines the weights travel as checked buckets through vLLM's
+RL API (rollout.transfer; `bucket_mb`), to an in-process engine or to every server of rollout=vllm_server.
 
 Every `verify_every` syncs a probe runs: the engine scores fixed sequences and its logprobs are compared with the
 aligned trainer's on the same tokens. Kernels differ by rounding (vLLM's attention and norms, int8 activation
@@ -60,8 +61,9 @@ class InplaceSync:
 
     def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         """Send `model`'s weights to `engine`; metrics `time/sync` (and the probe's gaps when it ran). A failed
-        verify raises WeightSyncError after the load. Engines in this process take the tensors (load_weights);
-        vLLM servers (an engine with weight_receivers) get them through vLLM's RL API (rollout.transfer)."""
+        verify raises WeightSyncError after the load. vLLM engines, in this process or servers (an engine with
+        weight_receivers), get them through vLLM's RL API (rollout.transfer); the torch engine takes the tensors
+        (load_weights)."""
         start = time.perf_counter()
         weights = self.weights(model)  # under torchrun a collective: every rank gathers, rank 0 gets the tensors
         version = str(self.syncs + 1)
