@@ -86,13 +86,14 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
 
 
 class RLApiTransfer:
-    """The servers' side of sync=inplace for an engine with `weight_receivers()` (rollout=vllm_server)."""
+    """sync=inplace for a vLLM engine (`weight_receivers()`: the servers of rollout=vllm_server, or the in-process
+    engine of rollout=vllm)."""
 
     def __init__(self, engine: Any, directory: Path, bucket_bytes: int, online: Optional[dict] = None) -> None:
         self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
         self.current: list[Path] = []  # the buckets of the version the servers serve ([]: the start checkpoint)
         self.version = "0"
-        self.online = online  # init_info for sync.mode=online: the worker quantizes
+        # sync.mode=online: the quant config and unquantized checkpoint the worker quantizes with; {}: prequantized
         self.init_info = {"quant": online["quant"], "source": online["source"]} if online else {}
         for server in engine.weight_receivers():
             server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
@@ -103,7 +104,7 @@ class RLApiTransfer:
         self.directory.mkdir(parents=True, exist_ok=True)
         try:
             paths, peak = write_buckets(weights, self.engine.spec, self.engine.aliases, self.directory, version,
-                                        self.bucket_bytes, "rollout=vllm_server")
+                                        self.bucket_bytes, f"rollout={self.engine.name}")
         except BaseException:
             for p in self.directory.glob(f"{FILE_PREFIX}{version}-*"):
                 p.unlink(missing_ok=True)

@@ -1,7 +1,7 @@
 """What every engine checks before it touches its weights: each name is one the engine serves, each tensor has
-the served shape and dtype and is finite. The weights are gathered first and checked as a whole, so a bad
-tensor anywhere leaves the engine as it was (a full model's worth of host memory for a moment: the price of
-all-or-nothing)."""
+the served shape and dtype and is finite. The torch engine checks a push as a whole before loading any of it; a
+push to vLLM is checked tensor by tensor as its buckets are written, before any engine hears of it
+(rollout.transfer, which also drops tied aliases). Either way a bad tensor anywhere leaves the engine as it was."""
 
 from __future__ import annotations
 
@@ -35,22 +35,6 @@ def tied_aliases(model: torch.nn.Module, served: Iterable[str]) -> dict[str, str
         else:
             first[id(p)] = name
     return aliases
-
-
-def without_aliases(weights: Iterable[tuple[str, torch.Tensor]], aliases: Mapping[str, str], engine: str
-                    ) -> list[tuple[str, torch.Tensor]]:
-    """The weights less the tied aliases the engine does not store (the trainer sends lm_head.weight of a tied
-    model: one tensor under two names). An alias whose values differ from its tensor's is refused: the served
-    model cannot hold two different matrices there."""
-    items = list(weights)
-    if not aliases:
-        return items
-    sent = dict(items)
-    for alias, name in aliases.items():
-        if alias in sent and name in sent and not torch.equal(sent[alias], sent[name]):
-            raise WeightSyncError(f"{engine}: weight {alias!r} differs from {name!r}, which the served model ties "
-                                  "it to (tie_word_embeddings); the engine kept its old weights")
-    return [(n, t) for n, t in items if n not in aliases or aliases[n] not in sent]
 
 
 def checked(weights: Iterable[tuple[str, torch.Tensor]], spec: Spec, engine: str
