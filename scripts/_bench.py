@@ -39,8 +39,9 @@ def vllm_serves(quant_name: str) -> bool:
     return SCHEMAS[quant_name].vllm_cpu or device() == "cuda"
 
 
-def arith_prompts(src, n: int, seed: int = 0) -> list[list[int]]:
-    """The first `n` prompts of the embedded default's training stream, as token ids."""
+def arith_prompts(src, n: int, seed: int = 0, cfg=None) -> list[list[int]]:
+    """The first `n` prompts of a data option's training stream (default: the embedded default's data=arith), as
+    token ids."""
     from transformers import AutoTokenizer
 
     from qarl_cli.config.data import ArithDataConfig
@@ -48,7 +49,7 @@ def arith_prompts(src, n: int, seed: int = 0) -> list[list[int]]:
     from qarl_cli.data.splits import load_splits
 
     tok = AutoTokenizer.from_pretrained(str(src))
-    cfg = ArithDataConfig()
+    cfg = cfg or ArithDataConfig()
     stream = load_splits(cfg, seed).train_stream()
     return encode(tok, cfg, [next(stream) for _ in range(n)])
 
@@ -66,5 +67,6 @@ def table(title: str, rows: list[dict]) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = "| " + " | ".join(rows[0]) + " |\n|" + "---|" * len(rows[0]) + "\n"
-    return head + "".join("| " + " | ".join(str(v) for v in r.values()) + " |\n" for r in rows)
+    keys = list(dict.fromkeys(k for r in rows for k in r))  # rows may lack a column (an empty bucket): blank
+    head = "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
+    return head + "".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |\n" for r in rows)

@@ -8,10 +8,13 @@ forwards then score the very same tokens (as qarl train's learner does), and mis
 training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
-                                               [--model tiny_arith|smollm2_135m] [--max-tokens N]
+                                               [--model tiny_arith|tiny_cot|smollm2_135m] [--max-tokens N]
 
---model smollm2_135m measures the real model on GSM8K test prompts (default 160-token responses: long enough for
-the mismatch of every position to show).
+--model tiny_cot measures the long-response miniature (data=arith_cot prompts, worked solutions of 40-150 tokens);
+--model smollm2_135m the real model on GSM8K test prompts (default 160-token responses: long enough for the
+mismatch of every position to show). Each row also gives k3_kl by response position (the `@a-b` columns), which
+says whether the mismatch grows along a response (attention over a longer context, errors of earlier tokens
+carried in the KV cache) or is the same at every position.
 
 Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
 dtype); on a GPU both trainer forwards run in bf16."""
@@ -25,6 +28,23 @@ from pathlib import Path
 from _bench import arith_prompts, device, dtype_name, engine, markdown, vllm_serves
 
 KEYS = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_max")
+POSITION_EDGES = (0, 8, 32, 64, 128, 10**9)  # response-position buckets of the per-position k3_kl
+
+
+def k3_by_position(old, rollout, mask) -> dict[str, float]:
+    """k3_kl = mean(r - 1 - log r) over the response tokens at positions [a, b) of their response, per bucket."""
+    import torch
+
+    m = mask.bool()
+    pos = m.long().cumsum(-1) - 1  # each token's index within its response
+    d = (old.double() - rollout.double()).clamp(-20, 20)
+    k3 = torch.expm1(d) - d
+    out = {}
+    for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:]):
+        sel = m & (pos >= a) & (pos < b)
+        if sel.any():
+            out[f"@{a}-{b if b < 10**9 else ''}"] = float(f"{k3[sel].mean().item():.3g}")
+    return out
 
 
 def trainer_logprobs(model, seqs):
@@ -41,6 +61,10 @@ def trainer_logprobs(model, seqs):
 def prompts_of(model: str, src, n: int) -> list[list[int]]:
     if model == "tiny_arith":
         return arith_prompts(src, n)
+    if model == "tiny_cot":
+        from qarl_cli.config.data import ArithCotDataConfig
+
+        return arith_prompts(src, n, cfg=ArithCotDataConfig())
     from transformers import AutoTokenizer
 
     from qarl_cli.config.data import GSM8KDataConfig
@@ -81,9 +105,12 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
         if forward == "aligned":
             qcfg = SCHEMAS[quant](kernel=kernel) if kernel else SCHEMAS[quant]()
             model = align(model, build_scheme(qcfg, device()))
-        m = mismatch_metrics(trainer_logprobs(model, seqs), seqs.rollout_logprobs, seqs.mask)
+        old = trainer_logprobs(model, seqs)
+        m = mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask)
         for k in KEYS:
             row[f"{forward} {k}"] = float(f"{m[f'mismatch/{k}']:.3g}")
+        for bucket, v in k3_by_position(old, seqs.rollout_logprobs, seqs.mask).items():
+            row[f"{forward} k3 {bucket}"] = v
     aligned = row["aligned k3_kl"]
     ratio = row["bf16 k3_kl"] / aligned if aligned > 0 else float("inf")
     row["k3_kl ratio"] = f"{ratio:.3g}"
@@ -99,16 +126,18 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
-    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "smollm2_135m"])
+    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "tiny_cot", "smollm2_135m"])
     ap.add_argument("--max-tokens", type=int, default=None,
-                    help="response length (default: the arith task's for tiny_arith, 160 for smollm2_135m)")
+                    help="response length (default: the task's max_new_tokens for the tiny models, 160 for "
+                         "smollm2_135m)")
     args = ap.parse_args()
-    from qarl_cli.config.data import ArithDataConfig
-    from qarl_cli.config.model import SmolLM2ModelConfig, TinyModelConfig
+    from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig
+    from qarl_cli.config.model import SCHEMAS as MODELS
     from qarl_cli.models.resolve import model_dir
 
-    src = model_dir(TinyModelConfig() if args.model == "tiny_arith" else SmolLM2ModelConfig(), log=print)
-    max_tokens = args.max_tokens or (ArithDataConfig.max_new_tokens if args.model == "tiny_arith" else 160)
+    src = model_dir(MODELS[args.model](), log=print)
+    default_tokens = {"tiny_arith": ArithDataConfig.max_new_tokens, "tiny_cot": ArithCotDataConfig.max_new_tokens}
+    max_tokens = args.max_tokens or default_tokens.get(args.model, 160)
     ids = prompts_of(args.model, src, args.prompts)
     rows = [measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")]
     print(f"\nmismatch on the same rollouts ({args.model}, {args.prompts} prompts x {args.samples} samples, "

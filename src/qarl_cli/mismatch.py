@@ -13,6 +13,9 @@ from torch import Tensor
 # Log ratios are clamped to [-20, 20] before exp: e^20 ~ 4.9e8 is finite in every float dtype, while logprob
 # differences can reach 1e4 (a token the other side gives probability ~0). Documented in docs/objectives.md.
 LOG_RATIO_CLAMP = 20.0
+# Response-length buckets of the by-length metrics, [0, 32) [32, 64) [64, 128) [128, inf) tokens: the mismatch of
+# long responses is what the paper's mechanism is about (error tokens accumulate, the sequence weight drifts).
+LENGTH_EDGES = (0, 32, 64, 128)
 
 
 def row_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -32,6 +35,17 @@ def sequence_log_ratio(num: Tensor, den: Tensor, mask: Tensor) -> Tensor:
     return row_mean(num - den, mask).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
+def by_length(name: str, values: Tensor, lengths: Tensor) -> dict[str, float]:
+    """`{name}@a-b` (the last bucket `@a-`): the mean of per-sequence `values` [B] over the sequences whose length
+    (`lengths` [B]) lies in [a, b), for each bucket of LENGTH_EDGES that holds a sequence."""
+    out = {}
+    for a, b in zip(LENGTH_EDGES, LENGTH_EDGES[1:] + (None,)):
+        sel = (lengths >= a) & (lengths < b) if b is not None else lengths >= a
+        if sel.any():
+            out[f"{name}@{a}-{b if b is not None else ''}"] = values[sel].double().mean().item()
+    return out
+
+
 @torch.no_grad()
 def mismatch_metrics(
     old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float = 2.0
@@ -39,7 +53,9 @@ def mismatch_metrics(
     """The `mismatch/*` metrics of one batch, over its response tokens (r = exp(old - rollout) per token):
     k3_kl = mean(r - 1 - log r); abs_logp_diff_{mean,p99,max} of |old - rollout| (p99: nearest rank);
     seq_weight_mean = mean over sequences of min(exp(mean_t(old - rollout)), cap); seq_weight_clipped_frac = the
-    fraction of sequences whose weight exceeds cap. All zeros for a batch without response tokens."""
+    fraction of sequences whose weight exceeds cap; abs_log_w_mean = mean over sequences of |mean_t(old - rollout)|
+    (how far the sequence weight w is from 1, either way), also by response length (`abs_log_w_mean@a-b`,
+    by_length). All zeros (and no by-length keys) for a batch without response tokens."""
     m = mask.bool()
     # fp64: well-aligned kernels give differences of 1e-5 and less, whose k3 (~d^2 / 2) fp32 rounding would swamp.
     old, rollout = (torch.where(m, x.double(), 0.0) for x in (old_logprobs, rollout_logprobs))
@@ -47,12 +63,14 @@ def mismatch_metrics(
     n = tokens.numel()
     if n == 0:
         keys = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_p99", "abs_logp_diff_max", "seq_weight_mean",
-                "seq_weight_clipped_frac")
+                "seq_weight_clipped_frac", "abs_log_w_mean")
         return {f"mismatch/{k}": 0.0 for k in keys}
     # r - 1 - log r = expm1(d) - d, which keeps its precision for tiny d where r - 1 - log r cancels.
     d = tokens.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     abs_diff = tokens.abs()
-    weight = sequence_log_ratio(old, rollout, m).exp()
+    log_w = sequence_log_ratio(old, rollout, m)
+    weight = log_w.exp()
+    present = m.any(-1)
     return {
         "mismatch/k3_kl": (torch.expm1(d) - d).mean().item(),
         "mismatch/abs_logp_diff_mean": abs_diff.mean().item(),
@@ -60,4 +78,6 @@ def mismatch_metrics(
         "mismatch/abs_logp_diff_max": abs_diff.max().item(),
         "mismatch/seq_weight_mean": sequence_mean(weight.clamp(max=cap), m).item(),
         "mismatch/seq_weight_clipped_frac": sequence_mean((weight > cap).double(), m).item(),
+        "mismatch/abs_log_w_mean": sequence_mean(log_w.abs(), m).item(),
+        **by_length("mismatch/abs_log_w_mean", log_w.abs()[present], m.sum(-1)[present]),
     }

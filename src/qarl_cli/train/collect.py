@@ -12,6 +12,7 @@ from torch import Tensor
 
 from qarl_cli.data.base import Problem
 from qarl_cli.evaluate import decode
+from qarl_cli.mismatch import by_length
 from qarl_cli.reward.error_tokens import error_token_metrics
 from qarl_cli.rollout.base import RolloutBatch
 
@@ -28,8 +29,13 @@ def score(batch: RolloutBatch, problems: Sequence[Problem], tokenizer: Any, rewa
     """Decode and score every response of `batch` against its problem's gold answer."""
     texts, flags = decode(batch, tokenizer, max_tokens)
     scored = reward.score(texts, [problems[i].answer for i in batch.prompt_index])
+    lengths = torch.tensor(batch.lengths)
+    logprobs = [x for row in batch.rollout_logprobs for x in row]
     metrics = {**scored.metrics(), **error_token_metrics(flags),
+               **by_length("error_tokens/any_frac", torch.tensor([float(f.any) for f in flags]), lengths),
                "response/len_mean": sum(batch.lengths) / max(len(batch), 1),
+               # -mean log mu(sampled token): at temperature 1 an unbiased estimate of the sampler's entropy
+               "response/neg_logprob_mean": -sum(logprobs) / max(len(logprobs), 1),
                "throughput/rollout_tokens_per_s": batch.tokens_per_s}
     samples = [{"prompt": problems[i].prompt, "answer": problems[i].answer, "completion": t, "reward": r}
                for i, t, r in list(zip(batch.prompt_index, texts, scored.rewards))[:keep_samples]]
