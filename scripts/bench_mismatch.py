@@ -9,12 +9,14 @@ training metrics) compares each with the engine's logprobs. Target: aligned k3_k
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
                                                [--model tiny_arith|tiny_cot|smollm2_135m] [--max-tokens N]
+                                               [--model-path CHECKPOINT] [--plot log_w_vs_length.png]
 
 --model tiny_cot measures the long-response miniature (data=arith_cot prompts, worked solutions of 40-150 tokens);
 --model smollm2_135m the real model on GSM8K test prompts (default 160-token responses: long enough for the
 mismatch of every position to show). Each row also gives k3_kl by response position (the `@a-b` columns), which
 says whether the mismatch grows along a response (attention over a longer context, errors of earlier tokens
-carried in the KV cache) or is the same at every position.
+carried in the KV cache) or is the same at every position. --model-path measures a trained checkpoint of that
+model (a run's checkpoints/step_N/model) and --plot draws each sequence's log w against its response length.
 
 Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
 dtype); on a GPU both trainer forwards run in bf16."""
@@ -94,8 +96,13 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
         batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
+    from qarl_cli.evaluate import decode
+    from qarl_cli.mismatch import sequence_log_ratio
+
     tok = AutoTokenizer.from_pretrained(str(src))
     seqs = pack(ids, batch, tok.pad_token_id if tok.pad_token_id is not None else 0)
+    _, flags = decode(batch, tok, max_tokens)
+    per_seq = {"len": batch.lengths, "error": [f.any for f in flags]}
     dtype = getattr(torch, dtype_name())
     row = {"scheme": quant, "aligned kernel": kernel or "fake",
            "engine": "vllm" if kind == "vllm" else "torch (embedded)",
@@ -106,6 +113,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
             qcfg = SCHEMAS[quant](kernel=kernel) if kernel else SCHEMAS[quant]()
             model = align(model, build_scheme(qcfg, device()))
         old = trainer_logprobs(model, seqs)
+        per_seq[f"{forward} log_w"] = sequence_log_ratio(old, seqs.rollout_logprobs, seqs.mask).tolist()
         m = mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask)
         for k in KEYS:
             row[f"{forward} {k}"] = float(f"{m[f'mismatch/{k}']:.3g}")
@@ -116,7 +124,35 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     row["k3_kl ratio"] = f"{ratio:.3g}"
     row["target met (>= 10x)"] = ratio >= 10
     print(row, flush=True)
-    return row
+    return row, per_seq
+
+
+def scatter(per_scheme: dict[str, dict], out: Path, title: str) -> None:
+    """Per sequence: log w = mean_t(log pi_old - log mu) against response length, both trainer forwards, one
+    panel per scheme; sequences with error tokens (repeat, garble, truncation) drawn as crosses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(per_scheme), figsize=(5.5 * len(per_scheme), 4), squeeze=False)
+    for ax, (scheme, d) in zip(axes[0], per_scheme.items()):
+        for forward, color in (("bf16", "tab:red"), ("aligned", "tab:blue")):
+            for err, marker in ((False, "."), (True, "x")):
+                pts = [(n, w) for n, w, e in zip(d["len"], d[f"{forward} log_w"], d["error"]) if e == err]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.scatter(xs, ys, s=8, marker=marker, color=color, alpha=0.5,
+                               label=f"{forward} learner{' (error tokens)' if err else ''}")
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_title(f"{scheme} rollouts", fontsize=9)
+        ax.set_xlabel("response length (tokens)")
+        ax.set_ylabel("sequence log w")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
 
 
 def main() -> None:
@@ -127,6 +163,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
     ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "tiny_cot", "smollm2_135m"])
+    ap.add_argument("--model-path", default=None,
+                    help="a checkpoint of that model (a run's checkpoints/step_N/model) instead of the built one")
+    ap.add_argument("--plot", default=None, help="also draw sequence log w against response length to this PNG")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="response length (default: the task's max_new_tokens for the tiny models, 160 for "
                          "smollm2_135m)")
@@ -135,17 +174,23 @@ def main() -> None:
     from qarl_cli.config.model import SCHEMAS as MODELS
     from qarl_cli.models.resolve import model_dir
 
-    src = model_dir(MODELS[args.model](), log=print)
+    src = Path(args.model_path) if args.model_path else model_dir(MODELS[args.model](), log=print)
     default_tokens = {"tiny_arith": ArithDataConfig.max_new_tokens, "tiny_cot": ArithCotDataConfig.max_new_tokens}
     max_tokens = args.max_tokens or default_tokens.get(args.model, 160)
     ids = prompts_of(args.model, src, args.prompts)
-    rows = [measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")]
+    measured = {spec: measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")}
+    rows = [row for row, _ in measured.values()]
     print(f"\nmismatch on the same rollouts ({args.model}, {args.prompts} prompts x {args.samples} samples, "
           f"device {device()}): trainer forward bf16 vs aligned, against the engine's logprobs\n")
     print(markdown(rows))
-    Path(args.out).write_text(json.dumps({"device": device(), "model": args.model, "max_tokens": max_tokens,
-                                          "prompts": args.prompts, "samples": args.samples,
-                                          "rows": rows}, indent=2) + "\n")
+    Path(args.out).write_text(json.dumps({"device": device(), "model": args.model, "model_path": args.model_path,
+                                          "max_tokens": max_tokens, "prompts": args.prompts,
+                                          "samples": args.samples, "rows": rows,
+                                          "sequences": {k: v for k, (_, v) in measured.items()}}) + "\n")
+    if args.plot:
+        scatter({k: v for k, (_, v) in measured.items()}, Path(args.plot),
+                f"{args.model_path or args.model}: {args.prompts} prompts x {args.samples} samples")
+        print(f"wrote {args.plot}")
     print(f"wrote {args.out}")
 
 

@@ -11,7 +11,7 @@ several seeds each; and, with --settings, the paper's ablations on the aligned l
 of 40-150 tokens); --task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
 (one in-process vLLM engine per run); --jobs N runs N at once, each pinned to its own core with one thread.
 Writes docs/results.md (final test accuracy mean and std, gain over the start, entropy, mismatch, error tokens,
-collapses), docs/results.png (curves per arm) and docs/results.json.
+collapses), docs/results.png (curves per arm) and docs/results.json; for --task arith docs/results_arith.*.
 
     .venv/bin/python scripts/reproduce_tiny.py [--task arith_cot|arith] [--seeds 3] [--steps 40]
         [--prompts 16] [--samples 8] [--minibatches 2] [--eval-every 20] [--schemes int8,w4a16]
@@ -47,17 +47,22 @@ ABLATIONS = {  # the paper's ablations, each QaRL with one part changed
 }
 TASKS = {"arith": [], "arith_cot": ["model=tiny_cot", "data=arith_cot"]}
 COLLAPSE_POINTS = 5.0
+LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
           "qarl-no-keep-mask": "tab:purple", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray"}
 
 
-def runs(settings: list[str], schemes: list[str], seeds: int) -> list[tuple[str, str, int, list[str]]]:
-    """(setting, scheme, seed, overrides) for every run; bf16 once, not per scheme."""
+def runs(settings: list[str], schemes: list[str], seeds: int, ablation_schemes: list[str] | None = None,
+         ablation_seeds: int | None = None) -> list[tuple[str, str, int, list[str]]]:
+    """(setting, scheme, seed, overrides) for every run; bf16 once, not per scheme; the ablations on
+    `ablation_schemes` with `ablation_seeds` seeds (by default as the main settings)."""
     table = {**SETTINGS, **ABLATIONS}
     out = []
     for setting in settings:
-        for q in (["none"] if setting == "bf16" else schemes):
-            for seed in range(seeds):
+        ablation = setting in ABLATIONS
+        qs = ["none"] if setting == "bf16" else (ablation_schemes or schemes) if ablation else schemes
+        for q in qs:
+            for seed in range((ablation_seeds or seeds) if ablation else seeds):
                 out.append((setting, q, seed, [o.replace("{q}", q) for o in table[setting]]))
     return out
 
@@ -142,6 +147,8 @@ def _curve(ax, results: list[dict], key: str, title: str, smooth: int = 5, log: 
             continue
         xs, ys = zip(*pts)
         ys = [statistics.fmean(ys[max(0, i - smooth + 1):i + 1]) for i in range(len(ys))]
+        if log:  # an exact match (0) is drawn at the floor of the axis
+            ys = [max(y, LOG_FLOOR) for y in ys]
         style = "-" if r["scheme"] in ("none", "int8") else "--"
         ax.plot(xs, ys, color=COLORS[r["setting"]], linestyle=style, linewidth=0.9, alpha=0.7,
                 label=f"{r['setting']} {r['scheme']}" if r["seed"] == 0 else None)
@@ -182,7 +189,7 @@ def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
         keys = sorted({key for g in group for s in g["steps"] for key in s
                        if key.startswith("mismatch/abs_log_w_mean@")}, key=lambda key: int(key.split("@")[1].split("-")[0]))
         if keys:
-            ys = [statistics.fmean(_late(g["steps"], key) for g in group) for key in keys]
+            ys = [max(LOG_FLOOR, statistics.fmean(_late(g["steps"], key) for g in group)) for key in keys]
             by_len.plot([key.split("@")[1] for key in keys], ys, marker="o", color=COLORS[r["setting"]],
                         linestyle="-" if r["rollout"] in ("none", "int8") else "--", label=labels[i].replace("\n", " "))
     by_len.set_yscale("log")
@@ -208,6 +215,8 @@ def main() -> None:
     ap.add_argument("--schemes", default="int8,w4a16")
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma list of {', '.join([*SETTINGS, *ABLATIONS])}")
+    ap.add_argument("--ablation-schemes", default=None, help="schemes of the ablation settings (default --schemes)")
+    ap.add_argument("--ablation-seeds", type=int, default=None, help="seeds of the ablation settings (default --seeds)")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to one core (<= cores)")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/tiny"))
@@ -219,7 +228,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"reproduce_tiny: --settings {','.join(unknown)}: not one of "
                          f"{', '.join([*SETTINGS, *ABLATIONS])}")
-    plan = runs(settings, args.schemes.split(","), args.seeds)
+    plan = runs(settings, args.schemes.split(","), args.seeds,
+                args.ablation_schemes.split(",") if args.ablation_schemes else None, args.ablation_seeds)
+    plan.sort(key=lambda run: run[2])  # seed by seed: a sweep cut short still has every setting
     cores = queue.Queue()
     for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
         cores.put(c)
@@ -238,7 +249,7 @@ def main() -> None:
                 cores.put(core)
             first, last = r["summary"]["first"], r["summary"]["last"]
             bar.console.print(f"[qarl] {name}: avg@4 {first['eval/avg@4']:.1%} -> {last['eval/avg@4']:.1%}, "
-                              f"greedy {last['eval/greedy_acc']:.1%}")
+                              f"greedy {last['eval/greedy_acc']:.1%}", markup=False)
             bar.advance(task)
             return {"setting": setting, "scheme": scheme, "seed": seed, **r}
 
@@ -250,11 +261,13 @@ def main() -> None:
     from _bench import markdown
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    plot(results, rows, k, args.out_dir / "results.png")
+    stem = "results" if args.task == "arith_cot" else f"results_{args.task}"
+    plot(results, rows, k, args.out_dir / f"{stem}.png")
     from qarl_cli.config.root import TrainConfig
 
     optimizer = f"{TrainConfig.optimizer} lr {args.lr or TrainConfig.lr}"
-    scale = (f"task {args.task}, {args.seeds} seeds x {len(plan) // args.seeds} settings, {args.steps} steps of "
+    scale = (f"task {args.task}, {len(plan)} runs ({args.seeds} seeds per setting"
+             f"{f', {args.ablation_seeds} per ablation' if args.ablation_seeds else ''}), {args.steps} steps of "
              f"{args.prompts} prompts x {args.samples} samples in {args.minibatches} minibatches, {optimizer}; test "
              f"split of the task (avg@{k} at temperature 1 and greedy); {args.jobs} run(s) at once; "
              f"{minutes:.0f} minutes on this machine")
@@ -264,15 +277,15 @@ def main() -> None:
             f"Scale: {scale}.\n\n" + markdown(rows) +
             "\nk3_kl, mean abs log w (|mean_t(log pi_old - log mu)| per sequence), error tokens, entropy (-mean "
             "log mu of the sampled tokens) and len: means over the last third of each run's steps.\n"
-            "\n![results](results.png)\n\nSettings: " +
+            f"\n![results]({stem}.png)\n\nSettings: " +
             "; ".join(f"{n}: `{' '.join(table[n])}`" for n in settings) +
             f". A collapse: final avg@{k} more than {COLLAPSE_POINTS:g} points below the start.\n")
-    (args.out_dir / "results.md").write_text(text)
-    (args.out_dir / "results.json").write_text(json.dumps(
+    (args.out_dir / f"{stem}.md").write_text(text)
+    (args.out_dir / f"{stem}.json").write_text(json.dumps(
         {"scale": scale, "rows": rows, "runs": [{k2: v for k2, v in r.items() if k2 != "steps"} for r in results]},
         indent=2) + "\n")
     print(markdown(rows))
-    print(f"wrote {args.out_dir / 'results.md'}, results.png, results.json ({minutes:.1f} min)")
+    print(f"wrote {args.out_dir / stem}.md, .png, .json ({minutes:.1f} min)")
 
 
 if __name__ == "__main__":
