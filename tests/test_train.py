@@ -366,8 +366,9 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
 @pytest.mark.slow
 def test_fsdp_with_vllm_on_rank_0_matches_one_process(tmp_path):
     """Under torchrun rank 0's vLLM engine core runs in a spawned child (the trainer's process group is this
-    process's default group, which an in-process vLLM would take for its own) and gets the synced weights as a
-    file: 2 gloo ranks sample the same rollouts and end with the same weights as one process with vLLM in it."""
+    process's default group, which an in-process vLLM would take for its own) and gets the synced weights through
+    the RL API, gathered a layer at a time: 2 gloo ranks sample the same rollouts, the engine serves the trainer's
+    weights after every sync, and the run ends with the same weights as one process with vLLM in it."""
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
     args = [*SMALL, "rollout=vllm", "steps=2", "eval_every=0", "checkpoint_every=0", "sync.verify_every=1"]
     for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
@@ -380,6 +381,43 @@ def test_fsdp_with_vllm_on_rank_0_matches_one_process(tmp_path):
         assert m2[step]["sync/verify_gap_mean"] < 1e-2  # the child engine serves the trainer's weights
     ckpt = lambda run_dir: run_dir / "checkpoints" / "step_000002"  # noqa: E731
     assert _max_diff(_weights(ckpt(tmp_path / "one")), _weights(ckpt(tmp_path / "two"))) < 1e-6
+
+
+# Rank 0's torch engine refuses the push after reading one tensor of it (as it refuses a bad tensor).
+_REFUSE_PUSH = """
+import sys
+import qarl_cli.rollout.torch_engine as te
+from qarl_cli.rollout.base import WeightSyncError
+def refuse(weights, spec, engine):
+    next(iter(weights))
+    raise WeightSyncError(f"{engine}: refused for the test after one tensor; the engine kept its old weights")
+te.checked = refuse
+if __name__ == "__main__":  # the reward's spawned workers import this file too
+    from qarl_cli.cli import main
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_fsdp_push_refused_midway_stops_every_rank_instead_of_hanging(tmp_path):
+    """Under torchrun the sync gathers the weights layer by layer as rank 0 reads them: when rank 0's engine
+    refuses a push midway, the rest is still gathered (the other ranks wait in those gathers), and then every rank
+    stops with rank 0's one-line error; without that, rank 1 waits in a gather rank 0 never joins."""
+    script = tmp_path / "refuse.py"
+    script.write_text(_REFUSE_PUSH)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), "train"]
+    proc = subprocess.Popen([*launch, *SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=0",
+                             f"hydra.run.dir={tmp_path / 'run'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the ranks too, not only torchrun
+        proc.communicate()
+        pytest.fail("the ranks hung after rank 0 refused the push")
+    assert proc.returncode != 0
+    assert "refused for the test after one tensor" in err, err[-3000:]
+    assert "rank 0 failed" in err, err[-3000:]  # rank 1's RankFailed names rank 0's error
 
 
 def _tagged(tag):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from torch import nn
 
@@ -39,10 +39,11 @@ class Sync(Protocol):
 
 class InplaceSync:
     def __init__(self, cfg: InplaceSyncConfig, scheme: Any, plan: Any, probe: Sequence[Sequence[int]] = (),
-                 gather: Optional[Callable[[nn.Module], dict]] = None) -> None:
+                 gather: Optional[Callable[[nn.Module], Iterator]] = None) -> None:
         """plan: the checkpoint plan of the served model (`quant.checkpoint.plan_for`); probe: token sequences
         for the verify check (needed when cfg.verify_every > 0); gather: for a sharded model, a collective that
-        returns its full checkpoint-named tensors on the rank that owns the engine ({} on the others)."""
+        yields its full checkpoint-named tensors on the rank that owns the engine (nothing on the others), gathered
+        as they are read."""
         if cfg.verify_every and not probe:
             raise ValueError("sync.verify_every > 0 needs probe sequences")
         self.cfg, self.scheme, self.plan, self.probe = cfg, scheme, plan, [list(p) for p in probe]
@@ -54,10 +55,11 @@ class InplaceSync:
         from qarl_cli.quant.checkpoint import quantized_state
         from qarl_cli.quant.select import checkpoint_state
 
-        state = self.gather(model) if self.gather else model  # gathered now, on every rank: a collective
+        # sharded: (name, tensor) pairs gathered as they are read, a collective every rank takes part in
+        state = self.gather(model) if self.gather else model
         if self.cfg.mode == "prequantized":
             return quantized_state(state, self.scheme, self.plan)
-        return iter((checkpoint_state(state) if isinstance(state, nn.Module) else state).items())
+        return iter(checkpoint_state(state).items()) if isinstance(state, nn.Module) else iter(state)
 
     def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         """Send `model`'s weights to `engine`; metrics `time/sync` (and the probe's gaps when it ran). A failed
@@ -65,14 +67,19 @@ class InplaceSync:
         weight_receivers), get them through vLLM's RL API (rollout.transfer); the torch engine takes the tensors
         (load_weights)."""
         start = time.perf_counter()
-        weights = self.weights(model)  # under torchrun a collective: every rank gathers, rank 0 gets the tensors
+        weights = self.weights(model)  # under torchrun the other ranks gather in here, in step with rank 0's reads
         version = str(self.syncs + 1)
 
         def deliver(target: Any) -> dict[str, float]:
-            if hasattr(target, "weight_receivers"):
-                return self._transfer(target).push(weights, version)
-            target.load_weights(weights)
-            return {}
+            try:
+                if hasattr(target, "weight_receivers"):
+                    return self._transfer(target).push(weights, version)
+                target.load_weights(weights)
+                return {}
+            finally:
+                if self.gather:  # a refused push stopped reading: the other ranks still wait in its gathers
+                    for _ in weights:
+                        pass
 
         # rank 0's engine as all ranks see it (train.distributed.MainEngine) delivers there, errors everywhere
         metrics = dict((engine.deliver(deliver) if hasattr(engine, "deliver") else deliver(engine)) or {})

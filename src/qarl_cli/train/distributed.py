@@ -4,8 +4,9 @@ FSDP2 (`fully_shard`, one unit per decoder layer plus the root) shards the polic
 state over the ranks: gloo on CPU, NCCL on GPU. Rank 0 alone runs the rollout engine, the reward and the loggers;
 what they return is broadcast, so every rank builds the same batch. Each rank forwards and backpropagates its share
 of every minibatch with its loss weighted by its share of the minibatch's denominator (objectives.DENOMINATORS);
-FSDP averages the gradients over the ranks, which makes them the one-process minibatch gradient. The weight sync and
-the checkpoints gather the full weights on rank 0.
+FSDP averages the gradients over the ranks, which makes them the one-process minibatch gradient. The checkpoints
+gather the full weights on rank 0; the weight sync streams them there one decoder layer at a time
+(`model_state_stream`), so rank 0 never holds more than a layer's full weights besides its bucket.
 
 Outside torchrun (WORLD_SIZE unset or 1) `Single` stands in: the same calls, no communication, nothing changed."""
 
@@ -13,12 +14,23 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
 from qarl_cli.config.errors import UserError
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """The state dict's names grouped for a streamed gather: all of one decoder layer (`...layers.N.`) together,
+    every other name alone, in the order of their first appearance."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        m = re.match(r"(.*?\blayers\.\d+)\.", name)
+        groups.setdefault(m.group(1) if m else name, []).append(name)
+    return list(groups.values())
 
 
 class RankFailed(UserError, RuntimeError):
@@ -121,6 +133,22 @@ class Distributed(Single):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def model_state_stream(self, model: nn.Module, convert: Callable[[dict], dict]
+                           ) -> Iterator[tuple[str, Tensor]]:
+        """The full weights one layer group at a time (layer_groups): every rank takes part in each tensor's
+        gather, in the same order; rank 0 yields the items of `convert(group)` (to checkpoint names), the others
+        nothing, and each must be read to its end on every rank, or the ranks fall out of step."""
+        from torch.distributed.tensor import DTensor
+
+        state = model.state_dict()  # FSDP2: the local shards as DTensors; nothing is gathered yet
+        for names in layer_groups(list(state)):
+            full = {}
+            for name in names:
+                t = state[name]
+                full[name] = (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            if self.main:
+                yield from convert(full).items()
 
     def optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -65,7 +65,7 @@ class Run:
 def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     """dist: train.distributed's view of the ranks (None: one process)."""
     from omegaconf import OmegaConf
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from qarl_cli.data.prompts import check_lengths, encode
     from qarl_cli.data.splits import load_splits
@@ -149,12 +149,19 @@ def _start_engine(cfg: TrainConfig, weights: Path, scheme: Any, context: int, de
 
 
 def _gatherer(dist: Any):
-    """The sync's view of a sharded model: its full weights under checkpoint names on rank 0, {} elsewhere."""
-    def gather(model: torch.nn.Module) -> dict:
+    """The sync's view of a sharded model: its full weights under checkpoint names, streamed to rank 0 a decoder
+    layer at a time (as the sync writes its buckets). The other ranks take part in the same gathers here, in step
+    with rank 0's reading, and get nothing."""
+    def gather(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         from transformers.core_model_loading import revert_weight_conversion
 
-        full = dist.model_state(model)  # every rank takes part
-        return revert_weight_conversion(model, full) if dist.main else {}
+        # a layer's tensors together: the conversion back to checkpoint names (fused experts split) is per layer
+        stream = dist.model_state_stream(model, lambda group: revert_weight_conversion(model, group))
+        if dist.main:
+            return stream
+        for _ in stream:
+            pass
+        return iter(())
     return gather
 
 
