@@ -45,13 +45,15 @@ ABLATIONS = {  # the paper's ablations, each QaRL with one part changed
     "qarl-no-keep-mask": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.drop_outside_band=false"],
     "aligned+gspo": ["quant={q}", "forward=aligned", "algorithm=gspo"],  # no mismatch weight, no dual clip
     "aligned+grpo-dualclip": ["quant={q}", "forward=aligned", "algorithm=grpo", "algorithm.dual_clip=true"],
+    "qarl-positive-only": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.positive_only=true"],
 }
 # The task's own settings; every setting's quant, forward and algorithm, and the flags given, override them.
 TASKS = {"arith": [], "arith_cot": ["+experiment=tiny_cot"]}
 COLLAPSE_POINTS = 5.0
 LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
-          "qarl-no-keep-mask": "tab:purple", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray"}
+          "qarl-no-keep-mask": "tab:purple", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray",
+          "qarl-positive-only": "tab:olive"}
 
 
 def runs(settings: list[str], schemes: list[str], seeds: int, ablation_schemes: list[str] | None = None,
@@ -97,7 +99,10 @@ def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict
                              f"{run_dir / 'stdout.log'}")
     summary = json.loads((run_dir / "summary.json").read_text())
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {"summary": summary, "steps": [s for s in steps if "reward/mean" in s]}
+    # Hydra writes the config as the run starts, the summary is the run's last file: the run's wall time, also
+    # for a run an earlier invocation trained.
+    wall = (run_dir / "summary.json").stat().st_mtime - (run_dir / ".hydra" / "config.yaml").stat().st_mtime
+    return {"summary": summary, "steps": [s for s in steps if "reward/mean" in s], "wall_s": wall}
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -274,8 +279,9 @@ def main() -> None:
              f"({args.seeds} seeds per setting{f', {args.ablation_seeds} per ablation' if args.ablation_seeds else ''}"
              f"), {run.steps} steps of {run.prompts_per_step} prompts x {run.samples_per_prompt} samples in "
              f"{run.minibatches} minibatches, {run.optimizer} lr {run.lr}; test "
-             f"split of the task (avg@{k} at temperature 1 and greedy); {args.jobs} run(s) at once; "
-             f"{minutes:.0f} minutes on this machine")
+             f"split of the task (avg@{k} at temperature 1 and greedy); "
+             f"{sum(r['wall_s'] for r in results) / 60:.0f} run-minutes in all on this machine, one core per run "
+             f"when several ran at once (this invocation: {args.jobs} at once, {minutes:.0f} minutes)")
     table = {**SETTINGS, **ABLATIONS}
     text = (f"# The comparison in miniature (tiny model, {args.task})\n\n"
             "Produced by `scripts/reproduce_tiny.py`; numbers as measured, whichever way they came out.\n\n"

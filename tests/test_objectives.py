@@ -86,8 +86,21 @@ def test_tbpo_by_hand_its_keep_mask_on_by_default():
     close(loss, -0.5001750025001667)
     g0 = -1.00020002000133 / 16
     close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+
     close(metrics["objective/dropped_frac"], 0.5)  # 5 of 10 tokens
     close(metrics["objective/mismatch_weight_mean"], 1.3)  # kept tokens only: (1 * 2 + 1.5 * 3) / 5
+
+
+def test_positive_only_drops_negative_terms_but_keeps_their_count_by_hand():
+    cfg = dataclasses.replace(TBPOConfig(), drop_outside_band=False, positive_only=True)
+    loss, grad, _ = seq_case(cfg)
+    # Only seq0 and seq1 contribute, still over 4 sequences: -(1 * 0.5 * s0 + 1.5 * 1.0004) / 4
+    close(loss, -(0.5 * 1.00020002000133 + 1.5 * 1.0004) / 4)
+    g0 = -1.00020002000133 / 16  # seq0's gradient is the full objective's: positive terms are unchanged
+    close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    # GSPO (no weight): seq2, which GSPO alone would follow (grad s2 / 8), gets none
+    _, grad, _ = seq_case(dataclasses.replace(GSPOConfig(), positive_only=True))
+    close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
 
 
 def test_gspo_by_hand():

@@ -123,6 +123,8 @@ def _clipped_loss(log_ratio: Tensor, b: PolicyBatch, cfg: AlgorithmConfig) -> tu
     log_cap = math.log(cfg.mismatch_cap)
     dropped = (log_w.abs() > log_cap) if cfg.drop_outside_band else torch.zeros_like(m)
     weight = log_w.clamp(max=log_cap).exp().masked_fill(dropped, 0.0)
+    if cfg.positive_only:
+        weight = weight.masked_fill(neg, 0.0)
     loss = -AGGREGATIONS[cfg.loss_agg](weight * surrogate, m)
     entropy = None
     if cfg.entropy_coef:

@@ -39,6 +39,9 @@ class AlgorithmConfig:
     # Mask out (weight 0) the tokens ("tis") or sequences ("seq") whose raw mismatch ratio lies outside [1/C, C];
     # they still count in the loss denominator. Needs mismatch != "none".
     drop_outside_band: bool = False
+    # The paper's positive-only ablation: negative-advantage samples get weight 0 (no gradient; they still count in
+    # the loss denominator, so the positive terms are exactly the full objective's).
+    positive_only: bool = False
     loss_agg: str = "seq-mean-token-mean"  # one of LOSS_AGGS
     adv_std_normalize: bool = True  # advantages (r - group mean) / (group std + 1e-6); False: r - group mean
     drop_no_signal_groups: bool = True  # leave out of the update the groups whose rewards are all equal (A = 0)
