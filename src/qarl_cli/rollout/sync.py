@@ -7,7 +7,9 @@ saved by prequantized on a real interconnect). For vLLM engines the weights trav
 RL API (rollout.transfer; `bucket_mb`), to an in-process engine or to every server of rollout=vllm_server.
 
 Every `verify_every` syncs a probe runs: the engine scores fixed sequences and its logprobs are compared with the
-aligned trainer's on the same tokens. Kernels differ by rounding (vLLM's attention and norms, int8 activation
+aligned trainer's on the same tokens. Before it, on vLLM engines (`checksums`), every server's `/weight_checker`
+digests are compared with the sent tensors' wherever the engine keeps a tensor as sent (rollout.checksums); a
+mismatch puts the servers back on the previous version and names the tensor. Kernels differ by rounding (vLLM's attention and norms, int8 activation
 rounding flips), so the check is on the mean |gap| over the probe's tokens; a stale, garbled or NaN engine is
 far above any sane tolerance."""
 
@@ -69,11 +71,12 @@ class InplaceSync:
         start = time.perf_counter()
         weights = self.weights(model)  # under torchrun the other ranks gather in here, in step with rank 0's reads
         version = str(self.syncs + 1)
+        due = bool(self.cfg.verify_every) and (self.syncs + 1) % self.cfg.verify_every == 0
 
         def deliver(target: Any) -> dict[str, float]:
             try:
                 if hasattr(target, "weight_receivers"):
-                    return self._transfer(target).push(weights, version)
+                    return self._transfer(target).push(weights, version, check=due and self.cfg.checksums)
                 target.load_weights(weights)
                 return {}
             finally:
@@ -85,7 +88,7 @@ class InplaceSync:
         metrics = dict((engine.deliver(deliver) if hasattr(engine, "deliver") else deliver(engine)) or {})
         metrics["time/sync"] = time.perf_counter() - start
         self.syncs += 1
-        if self.cfg.verify_every and self.syncs % self.cfg.verify_every == 0:
+        if due:
             metrics.update(self.verify(model, engine))
         return metrics
 
@@ -97,7 +100,8 @@ class InplaceSync:
 
             online = ({"quant": asdict(self.scheme.cfg), "source": str(engine.source)}
                       if self.cfg.mode == "online" else None)
-            self.transfer = RLApiTransfer(engine, engine.scratch / "sync", self.cfg.bucket_mb << 20, online)
+            self.transfer = RLApiTransfer(engine, engine.scratch / "sync", self.cfg.bucket_mb << 20, online,
+                                          checksums=bool(self.cfg.verify_every) and self.cfg.checksums)
         return self.transfer
 
     def close(self) -> None:

@@ -8,6 +8,8 @@ does any server hear of it; then each server, in parallel:
     /pause?mode=wait -> /start_weight_update -> /update_weights (one call per bucket)
     -> /finish_weight_update {weight_version} -> /resume
 
+When the sync's verify is due, every server's `/weight_checker` checksums are then compared with the digests of
+the sent tensors it keeps as sent (rollout.checksums); a server holding anything else counts as failed.
 A server that fails any of these is restarted, and every server is put back on the previous version (its buckets
 are kept until the next push succeeds; before the first push, the start-up checkpoint): never half-updated.
 The files are what this backend shares between processes on one node; servers on other nodes need a network
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -24,14 +27,16 @@ from typing import Any, Iterable, Optional
 import torch
 
 from qarl_cli.rollout.base import WeightSyncError
+from qarl_cli.rollout.checksums import digest, engine_checksums, kept_as_sent, mismatches
 from qarl_cli.rollout.vllm_transfer import FILE_PREFIX
 from qarl_cli.rollout.weights import checked
 
 
 def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, directory: Path, version: str,
-                  bucket_bytes: int, engine: str) -> tuple[list[Path], int]:
+                  bucket_bytes: int, engine: str, digests: Optional[dict] = None) -> tuple[list[Path], int]:
     """The checked weights as bucket files in `directory`; (paths, peak bytes held in one bucket). A bad tensor
-    raises WeightSyncError before any server is touched (the files written so far are removed by the caller)."""
+    raises WeightSyncError before any server is touched (the files written so far are removed by the caller).
+    digests: {name: dtype} of the tensors to hash as written (rollout.checksums); replaced by {name: sha256}."""
     from safetensors.torch import save_file
 
     paths: list[Path] = []
@@ -77,6 +82,8 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
             if bucket and size + nbytes > bucket_bytes:
                 flush()
             bucket[name] = tensor.detach().cpu().contiguous()
+            if digests is not None and name in digests:
+                digests[name] = digest(bucket[name], digests[name])
             size += nbytes
             peak = max(peak, size)
     flush()
@@ -85,12 +92,24 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
     return paths, peak
 
 
+# engine -> the names its checksums can check, measured on the engine as it started (rollout.checksums)
+_CHECKABLE: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
+
+
 class RLApiTransfer:
     """sync=inplace for a vLLM engine (`weight_receivers()`: the servers of rollout=vllm_server, or the in-process
     engine of rollout=vllm)."""
 
-    def __init__(self, engine: Any, directory: Path, bucket_bytes: int, online: Optional[dict] = None) -> None:
+    def __init__(self, engine: Any, directory: Path, bucket_bytes: int, online: Optional[dict] = None,
+                 checksums: bool = False) -> None:
         self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
+        # The names a push can be checked on (rollout.checksums), measured on the first server as it started
+        self.checked: frozenset[str] = frozenset()
+        if checksums:
+            if engine not in _CHECKABLE:  # once per engine: later it may no longer serve its start checkpoint
+                first = engine.weight_receivers()[0]
+                _CHECKABLE[engine] = kept_as_sent(engine_checksums(first), engine.served, engine.dtype)
+            self.checked = _CHECKABLE[engine]
         self.current: list[Path] = []  # the buckets of the version the servers serve ([]: the start checkpoint)
         self.version = "0"
         # sync.mode=online: the quant config and unquantized checkpoint the worker quantizes with; {}: prequantized
@@ -99,12 +118,16 @@ class RLApiTransfer:
             server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
         engine.on_restart.append(self.replay)
 
-    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str) -> dict[str, float]:
+    def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str, check: bool = False
+             ) -> dict[str, float]:
+        """check: compare every server's checksums with the sent tensors' (those in self.checked) before the
+        push counts as done; a mismatch puts every server back on the previous version and names the tensor."""
         start = time.perf_counter()
         self.directory.mkdir(parents=True, exist_ok=True)
+        sent = {name: self.engine.dtype for name in self.checked} if check and self.checked else None
         try:
             paths, peak = write_buckets(weights, self.engine.spec, self.engine.aliases, self.directory, version,
-                                        self.bucket_bytes, f"rollout={self.engine.name}")
+                                        self.bucket_bytes, f"rollout={self.engine.name}", sent)
         except BaseException:
             for p in self.directory.glob(f"{FILE_PREFIX}{version}-*"):
                 p.unlink(missing_ok=True)
@@ -112,6 +135,10 @@ class RLApiTransfer:
         written = time.perf_counter() - start
         servers = self.engine.weight_receivers()
         errors = self._to_all(servers, paths, version)
+        if sent:  # the checked names this push sent (a push may leave tensors as they are)
+            sent = {name: d for name, d in sent.items() if isinstance(d, str)}
+        if not errors and sent:
+            errors = self._compare(servers, sent)
         if errors:
             self._roll_back(servers)
             for p in paths:
@@ -123,8 +150,20 @@ class RLApiTransfer:
         for p in self.current:
             p.unlink(missing_ok=True)
         self.current, self.version = paths, version
-        return {"time/sync_write": written, "sync/buckets": float(len(paths)),
-                "sync/bucket_peak_mb": peak / 2**20}
+        metrics = {"time/sync_write": written, "sync/buckets": float(len(paths)), "sync/bucket_peak_mb": peak / 2**20}
+        if sent:
+            metrics["sync/checksummed"] = float(len(sent))
+        return metrics
+
+    def _compare(self, servers: list, sent: dict[str, str]) -> dict[int, str]:
+        """Per server that does not hold what was sent: the first tensors that differ."""
+        errors = {}
+        for server in servers:
+            bad = mismatches(engine_checksums(server), sent)
+            if bad:
+                errors[server.index] = (f"/weight_checker: {len(bad)} of {len(sent)} checked tensors differ from "
+                                        f"what the trainer sent, first {bad[0]!r}")
+        return errors
 
     def _to_all(self, servers: list, paths: list[Path], version: str) -> dict[int, str]:
         def one(server) -> Optional[str]:

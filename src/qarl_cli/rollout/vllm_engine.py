@@ -110,6 +110,7 @@ class VLLMEngine:
             served = model_dir
         # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
         self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
+        self.served, self.dtype = served, getattr(torch, dtype)  # what the engine loads (sync.checksums)
         on_gpu = torch.cuda.is_available() and device != "cpu"
         self.sleeps = cfg.sleep_between_steps and on_gpu  # vLLM's sleep mode needs CUDA's allocator
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu
@@ -211,6 +212,11 @@ class LocalReceiver:
             llm.finish_weight_update((body or {}).get("weight_version"))
         elif path == "/resume":
             llm.reset_prefix_cache()
+        elif path == "/weight_checker" and (body or {}).get("action") == "checksum":  # the route's checksum action
+            checksums: dict = {}
+            for worker in llm.collective_rpc("compute_weight_checksums"):
+                checksums.update(worker)
+            return {"checksums": checksums}
         elif path != "/pause":
             raise ValueError(f"{NAME}: no route {path}")
         return None

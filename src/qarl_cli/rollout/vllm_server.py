@@ -71,6 +71,7 @@ class ServerEngine:
                 self.servers = [self._launch(i, served, dtype, seed, max_model_len, on_gpu)
                                 for i in range(cfg.num_servers)]
             self.spec = checkpoint_spec(served if weights == "prequantized" else self.source)
+            self.served, self.dtype = served, getattr(torch, dtype)  # what the servers load (sync.checksums)
             from qarl_cli.quant.checkpoint import load_meta_model
             from qarl_cli.rollout.weights import tied_aliases
 
