@@ -20,15 +20,14 @@ def dtype_name() -> str:
     return "float32" if device() == "cpu" else "bfloat16"
 
 
-def engine(kind: str, src, quant_name: str, weights: str = "prequantized", kernel: str | None = None,
-           max_model_len: int = 128):
+def engine(kind: str, src, quant_name: str, kernel: str | None = None, max_model_len: int = 128):
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import ROLLOUT_SCHEMAS
     from qarl_cli.quant import build_scheme
     from qarl_cli.rollout.base import build_engine
 
     qcfg = SCHEMAS[quant_name]() if kernel is None else SCHEMAS[quant_name](kernel=kernel)
-    return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device()), weights=weights,
+    return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device()),
                         dtype=dtype_name(), max_model_len=max_model_len)
 
 

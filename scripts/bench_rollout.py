@@ -67,7 +67,7 @@ def sync_gaps(engines, rounds) -> list[dict]:
             scheme = build_scheme(SCHEMAS[quant](), device())
             for kind in engines:
                 for mode in ("prequantized", "online"):
-                    engine = _engine(kind, src, quant, weights=mode)
+                    engine = _engine(kind, src, quant)
                     trainer = align(AutoModelForCausalLM.from_pretrained(
                         str(src), dtype=getattr(torch, dtype_name())).to(device()), scheme)
                     sync = InplaceSync(InplaceSyncConfig(mode=mode, verify_every=1, verify_tolerance=1.0), scheme,

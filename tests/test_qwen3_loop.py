@@ -84,11 +84,11 @@ def test_the_prompt_follows_enable_thinking(tok):
     assert off[:len(on)] == on and off[len(on)] == THINK and END_THINK in off[len(on):]
 
 
-def _engine(kind, src, quant, weights="prequantized"):
+def _engine(kind, src, quant):
     from qarl_cli.rollout.base import build_engine
 
     cfg = VLLMRolloutConfig() if kind == "vllm" else TorchRolloutConfig()
-    return build_engine(cfg, src, build_scheme(quant, "cpu"), weights=weights, dtype="float32", max_model_len=256)
+    return build_engine(cfg, src, build_scheme(quant, "cpu"), dtype="float32", max_model_len=256)
 
 
 def _trainer(src, quant):
@@ -139,7 +139,7 @@ def test_tied_embeddings_reach_the_engine_in_every_sync_mode(qwen3, tok, kind, q
     tolerance = InplaceSyncConfig.verify_tolerance
     sync = InplaceSync(InplaceSyncConfig(mode=mode, verify_every=1, verify_tolerance=tolerance), scheme,
                        plan_for(load_meta_model(qwen3), scheme), probe)
-    engine = _engine(kind, qwen3, qcfg, weights=mode)
+    engine = _engine(kind, qwen3, qcfg)
     try:
         with torch.no_grad():
             embed.add_(torch.randn(embed.shape, generator=torch.Generator().manual_seed(1)) * 0.05)

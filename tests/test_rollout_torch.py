@@ -51,9 +51,9 @@ def scheme_of(name, kernel="fake"):
     return build_scheme(SCHEMAS[name](kernel=kernel), "cpu")
 
 
-def engine(path, quant="int8", weights="prequantized", batch_size=4, dtype="float64", kernel="fake"):
-    eng = build_engine(TorchRolloutConfig(batch_size=batch_size), path, scheme_of(quant, kernel),
-                       weights=weights, dtype=dtype, device="cpu")
+def engine(path, quant="int8", batch_size=4, dtype="float64", kernel="fake"):
+    eng = build_engine(TorchRolloutConfig(batch_size=batch_size), path, scheme_of(quant, kernel), dtype=dtype,
+                       device="cpu")
     assert isinstance(eng, TorchEngine) and eng.name == "torch"
     return eng
 
@@ -140,7 +140,7 @@ def test_rollout_logprobs_are_the_models_and_the_seed_decides(paths, quant):
     ("dense", "prequantized", "int8", "lowbit"),  # the sent int8 tensors go to _int_mm as they are
     ("dense", "prequantized", "fp8_block", "fake"), ("moe", "prequantized", "w4a16", "fake")])
 def test_sync_serves_the_trainers_weights(paths, kind, mode, quant, kernel):
-    eng = engine(paths[kind], quant, weights=mode, kernel=kernel)
+    eng = engine(paths[kind], quant, kernel=kernel)
     before = eng.score(SEQS)
 
     def state(model, plan):
@@ -148,10 +148,10 @@ def test_sync_serves_the_trainers_weights(paths, kind, mode, quant, kernel):
             else checkpoint_state(model).items()
 
     trainer, plan = aligned(paths[kind], quant, kernel=kernel)
-    eng.load_weights(state(perturb(trainer), plan))
+    eng.load_weights(state(perturb(trainer), plan), mode)
     assert_scores(eng, trainer)
     assert max_diff(eng.score(SEQS), before) > 1e-2
-    eng.load_weights(state(*aligned(paths[kind], quant)))  # the checkpoint's own weights: back exactly
+    eng.load_weights(state(*aligned(paths[kind], quant)), mode)  # the checkpoint's own weights: back exactly
     assert eng.score(SEQS) == before
 
 

@@ -28,10 +28,10 @@ def _src(tmp_path_factory, cls=TinyModelConfig):
                              log=lambda _: None)
 
 
-def _engine(src, quant, weights="prequantized", workdir=None):
+def _engine(src, quant, workdir=None):
     from qarl_cli.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(VLLMRolloutConfig(), src, build_scheme(quant, "cpu"), weights=weights, dtype="float32",
+    return VLLMEngine(VLLMRolloutConfig(), src, build_scheme(quant, "cpu"), dtype="float32",
                       seed=0, max_model_len=64, workdir=workdir)
 
 
@@ -194,7 +194,7 @@ def test_int8_sync_is_bit_identical_to_a_fresh_engine(dense, tmp_path):
     expected = _flat(fresh.score(PROBE))
     fresh.close()
     for mode in ("prequantized", "online"):
-        engine = _engine(dense, Int8Config(), weights=mode)
+        engine = _engine(dense, Int8Config())  # the same engine takes either format: the sync says which
         before = _flat(engine.score(PROBE))
         metrics = _sync(Int8Config(), dense, mode).push(trainer, engine)
         after = _flat(engine.score(PROBE))

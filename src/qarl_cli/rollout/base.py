@@ -3,10 +3,12 @@ per-token logprob of each sampled token (`rollout_logprobs`: raw model logprobs,
 which is what the objectives compare with the trainer's), scores given sequences (the sync's verify probe), and
 takes new weights in place.
 
-Weights arrive as (name, tensor) in checkpoint format: with `weights="prequantized"` the scheme's packed low-bit
-tensors and scales (`quant.checkpoint.quantized_state`), which the engine uses as they are; with
-`weights="online"` (sync.mode, one of config.stages.SYNC_MODES) the trainer's unquantized masters, which the engine quantizes with the same scheme. A load
-either applies completely or raises WeightSyncError and leaves the engine on its old weights."""
+Engines do not know how weights travel: the sync stage (rollout/sync.py) brings them, through vLLM's RL API to a
+vLLM engine or as tensors to the torch engine's load_weights. They arrive as (name, tensor) in checkpoint format,
+in the format of sync.mode (one of config.stages.SYNC_MODES): `prequantized`, the scheme's packed low-bit tensors
+and scales (`quant.checkpoint.quantized_state`), which the engine uses as they are; `online`, the trainer's
+unquantized masters, which the engine quantizes with the same scheme. A load either applies completely or raises
+WeightSyncError and leaves the engine on its old weights."""
 
 from __future__ import annotations
 
@@ -74,8 +76,9 @@ class RolloutEngine(Protocol):
         """log p(token_t | tokens_<t) for t = 1 .. len-1 of each sequence (the verify probe)."""
         ...
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace the weights named (a subset of the checkpoint's names is fine), all or nothing."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], mode: str = "prequantized") -> None:
+        """Replace the weights named (a subset of the checkpoint's names is fine), all or nothing; `mode`: the
+        format they come in (sync.mode). vLLM engines take weights through `weight_receivers()` instead."""
         ...
 
     def sleep(self) -> None:
@@ -91,7 +94,7 @@ class RolloutEngine(Protocol):
         ...
 
 
-def build_engine(cfg, model_dir: Path, scheme, *, weights: str = "prequantized", dtype: str = "bfloat16",
+def build_engine(cfg, model_dir: Path, scheme, *, dtype: str = "bfloat16",
                  seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
                  workdir: Optional[Path] = None) -> RolloutEngine:
     """The engine of `rollout=cfg.name` serving the unquantized checkpoint `model_dir` quantized with `scheme`.
@@ -99,7 +102,7 @@ def build_engine(cfg, model_dir: Path, scheme, *, weights: str = "prequantized",
     quantized checkpoint it starts from (a temporary directory when None)."""
     from qarl_cli.stages import resolve
 
-    return resolve("rollout", cfg.name)(cfg, Path(model_dir), scheme, weights=weights, dtype=dtype, seed=seed,
+    return resolve("rollout", cfg.name)(cfg, Path(model_dir), scheme, dtype=dtype, seed=seed,
                                         max_model_len=max_model_len, device=device, workdir=workdir)
 
 

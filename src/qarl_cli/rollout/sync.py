@@ -77,7 +77,7 @@ class InplaceSync:
             try:
                 if hasattr(target, "weight_receivers"):
                     return self._transfer(target).push(weights, version, check=due and self.cfg.checksums)
-                target.load_weights(weights)
+                target.load_weights(weights, self.cfg.mode)
                 return {}
             finally:
                 if self.gather:  # a refused push stopped reading: the other ranks still wait in its gathers

@@ -23,7 +23,7 @@ from qarl_cli.logprobs import sequence_logprobs
 from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
 from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
-from qarl_cli.quant.select import CheckpointPlan, checkpoint_state, is_fused_experts
+from qarl_cli.quant.select import checkpoint_state, is_fused_experts
 from qarl_cli.rollout.base import RolloutBatch, WeightSyncError, stop_ids
 from qarl_cli.rollout.weights import checked, spec_of
 
@@ -35,14 +35,13 @@ _EXPERT = re.compile(r"(.+)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, cfg: TorchRolloutConfig, model_dir: Path, scheme, *, weights: str = "prequantized",
-                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None,
+    def __init__(self, cfg: TorchRolloutConfig, model_dir: Path, scheme, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None,
                  device: str = "auto", workdir: Optional[Path] = None) -> None:
         """seed: unused, every generate call is seeded on its own. max_model_len: unused, the cache grows as
         needed. workdir: unused, nothing is written."""
         from transformers import AutoModelForCausalLM
 
-        self.cfg, self.scheme, self.weights = cfg, scheme, weights
+        self.cfg, self.scheme = cfg, scheme
         self.device = torch.device(resolve_device(device))
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype))
         self.eos = stop_ids(model.generation_config.eos_token_id)
@@ -50,12 +49,14 @@ class TorchEngine:
         with torch.device("meta"):
             twin = AutoModelForCausalLM.from_config(model.config, dtype=model.dtype)
         state = checkpoint_state(twin)
-        # online: every tensor arrives unquantized, as the trainer holds it
-        plan = plan_for(twin, scheme) if weights == "prequantized" else CheckpointPlan(frozenset(), ())
-        self.spec = spec_of(quantized_state(state, scheme, plan))
+        plan = plan_for(twin, scheme)
+        # The tensors a push may hold, per sync.mode: prequantized, the packed low-bit ones and scales; online,
+        # every tensor unquantized, as the trainer holds it.
+        self.specs = {"prequantized": spec_of(quantized_state(state, scheme, plan)),
+                      "online": spec_of(state.items())}
         # name of each packed tensor -> the matrix (checkpoint prefix) it belongs to; the rest are plain tensors.
         self._owner = {}
-        for name in self.spec:
+        for name in self.specs["prequantized"]:
             owner = name.rsplit(".", 1)[0]
             if f"{owner}.weight" in plan.quantized and (name not in state or name in plan.quantized):
                 self._owner[name] = owner
@@ -63,7 +64,7 @@ class TorchEngine:
         self.model = align(model.to(self.device), scheme).eval()
         self._modules = dict(self.model.named_modules())
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        self._dest = {n: self._destination(n, params) for n in self.spec if n not in self._owner}
+        self._dest = {n: self._destination(n, params) for n in state}  # where an unquantized tensor goes
         self._parts: dict[str, list[str]] = {}
         for name, owner in self._owner.items():
             self._parts.setdefault(owner, []).append(name)
@@ -176,11 +177,13 @@ class TorchEngine:
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        items = checked(weights, self.spec, ENGINE)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], mode: str = "prequantized") -> None:
+        if mode not in self.specs:
+            raise ValueError(f"{ENGINE}: weights in format {mode!r}; this engine takes {', '.join(self.specs)}")
+        items = checked(weights, self.specs[mode], ENGINE)
         plain, packed = [], {}
         for name, tensor in items:
-            if name in self._owner:
+            if mode == "prequantized" and name in self._owner:
                 packed.setdefault(self._owner[name], {})[name.rsplit(".", 1)[1]] = tensor
             else:
                 plain.append((name, tensor))
@@ -195,7 +198,7 @@ class TorchEngine:
                 param[at].copy_(tensor)
             for owner, parts in packed.items():
                 self._load_packed(owner, {k: t.to(self.device) for k, t in parts.items()})
-        if self.weights == "online":
+        if mode == "online":
             refresh(self.model)  # the aligned modules quantize the new masters at the next forward
 
     def _load_packed(self, owner: str, packed: dict) -> None:

@@ -102,7 +102,15 @@ class RLApiTransfer:
 
     def __init__(self, engine: Any, directory: Path, bucket_bytes: int, online: Optional[dict] = None,
                  checksums: bool = False) -> None:
+        from qarl_cli.quant.checkpoint import load_meta_model
+        from qarl_cli.rollout.vllm_engine import checkpoint_spec
+        from qarl_cli.rollout.weights import tied_aliases
+
         self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
+        # The tensors a push may send: the served (low-bit) checkpoint's, or for online the unquantized ones; a
+        # tied model's checkpoint stores the embedding once, and the trainer sends it under both names.
+        self.spec = checkpoint_spec(engine.source if online else engine.served)
+        self.aliases = tied_aliases(load_meta_model(engine.source), self.spec)
         # The names a push can be checked on (rollout.checksums), measured on the first server as it started
         self.checked: frozenset[str] = frozenset()
         if checksums:
@@ -126,7 +134,7 @@ class RLApiTransfer:
         self.directory.mkdir(parents=True, exist_ok=True)
         sent = {name: self.engine.dtype for name in self.checked} if check and self.checked else None
         try:
-            paths, peak = write_buckets(weights, self.engine.spec, self.engine.aliases, self.directory, version,
+            paths, peak = write_buckets(weights, self.spec, self.aliases, self.directory, version,
                                         self.bucket_bytes, f"rollout={self.engine.name}", sent)
         except BaseException:
             for p in self.directory.glob(f"{FILE_PREFIX}{version}-*"):

@@ -21,7 +21,6 @@ import torch
 
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch
-from qarl_cli.rollout.weights import tied_aliases
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
@@ -62,8 +61,7 @@ def checkpoint_spec(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]
 class VLLMEngine:
     name = "vllm"
 
-    def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, weights: str = "prequantized",
-                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
+    def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
                  workdir: Optional[Path] = None) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Under torchrun the trainer's process group is this process's default group, which an in-process
@@ -77,10 +75,7 @@ class VLLMEngine:
             import vllm  # noqa: F401
         except ImportError as e:
             raise StageUnavailable(f"rollout=vllm: vLLM is not installed ({e}); use rollout=torch") from None
-        from qarl_cli.quant.checkpoint import load_meta_model
-
         self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
-        meta = load_meta_model(Path(model_dir))
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
         self.scratch = _scratch_dir(workdir)
@@ -88,14 +83,12 @@ class VLLMEngine:
         # SIGTERM into one), or when start-up fails; after a SIGKILL, by the next engine's start-up sweep.
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
         try:
-            self._start(Path(model_dir), scheme, weights, dtype, seed, max_model_len, device)
-            # A tied model's checkpoint stores the embedding once; the trainer sends it under both names.
-            self.aliases = tied_aliases(meta, self.spec)
+            self._start(Path(model_dir), scheme, dtype, seed, max_model_len, device)
         except BaseException:
             self.close()
             raise
 
-    def _start(self, model_dir: Path, scheme: Any, weights: str, dtype: str, seed: int,
+    def _start(self, model_dir: Path, scheme: Any, dtype: str, seed: int,
                max_model_len: Optional[int], device: str) -> None:
         from vllm import LLM
 
@@ -108,9 +101,8 @@ class VLLMEngine:
             write_checkpoint(model_dir, served, scheme, progress=False)
         else:
             served = model_dir
-        # The names the engine accepts: the served (low-bit) checkpoint's, or for online the unquantized ones.
-        self.spec = checkpoint_spec(served if weights == "prequantized" else model_dir)
-        self.served, self.dtype = served, getattr(torch, dtype)  # what the engine loads (sync.checksums)
+        # What the engine loads; the sync reads from it (and from `source`) which tensors a push may send.
+        self.served, self.dtype = served, getattr(torch, dtype)
         on_gpu = torch.cuda.is_available() and device != "cpu"
         self.sleeps = cfg.sleep_between_steps and on_gpu  # vLLM's sleep mode needs CUDA's allocator
         memory = ({"gpu_memory_utilization": cfg.gpu_memory_utilization} if on_gpu

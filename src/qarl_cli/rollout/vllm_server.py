@@ -40,8 +40,7 @@ MODEL_NAME = "qarl"  # --served-model-name: requests name it, whatever the check
 class ServerEngine:
     name = "vllm_server"
 
-    def __init__(self, cfg: Any, model_dir: Path, scheme: Any, *, weights: str = "prequantized",
-                 dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
+    def __init__(self, cfg: Any, model_dir: Path, scheme: Any, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
                  workdir: Optional[Path] = None) -> None:
         try:
             import vllm  # noqa: F401
@@ -49,9 +48,9 @@ class ServerEngine:
             raise UserError(f"{NAME}: vLLM is not installed ({e}); use rollout=torch") from None
         import torch
 
-        from qarl_cli.rollout.vllm_engine import _scratch_dir, checkpoint_spec
+        from qarl_cli.rollout.vllm_engine import _scratch_dir
 
-        self.cfg, self.scheme, self.mode = cfg, scheme, weights
+        self.cfg, self.scheme = cfg, scheme
         self.source = Path(model_dir)
         self.on_restart: list[Callable[[Server], None]] = []
         self.servers: list[Server] = []
@@ -70,12 +69,8 @@ class ServerEngine:
                 on_gpu = torch.cuda.is_available() and device != "cpu"
                 self.servers = [self._launch(i, served, dtype, seed, max_model_len, on_gpu)
                                 for i in range(cfg.num_servers)]
-            self.spec = checkpoint_spec(served if weights == "prequantized" else self.source)
-            self.served, self.dtype = served, getattr(torch, dtype)  # what the servers load (sync.checksums)
-            from qarl_cli.quant.checkpoint import load_meta_model
-            from qarl_cli.rollout.weights import tied_aliases
-
-            self.aliases = tied_aliases(load_meta_model(self.source), self.spec)
+            # What the servers load; the sync reads from it (and from `source`) which tensors a push may send.
+            self.served, self.dtype = served, getattr(torch, dtype)
             start = time.perf_counter()
             with ThreadPoolExecutor(len(self.servers)) as pool:  # start-up in parallel
                 list(pool.map(lambda s: s.start(cfg.startup_timeout_s), self.servers))

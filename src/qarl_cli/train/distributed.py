@@ -199,8 +199,8 @@ class MainEngine:
     def score(self, sequences: Any) -> Any:
         return self.dist.main_only(lambda: self.engine.score(sequences))
 
-    def load_weights(self, weights: Any) -> None:  # the other ranks' iterables are empty (model_state)
-        self.dist.main_only(lambda: self.engine.load_weights(weights), send=False)
+    def load_weights(self, weights: Any, mode: str = "prequantized") -> None:  # the other ranks' are empty
+        self.dist.main_only(lambda: self.engine.load_weights(weights, mode), send=False)
 
     def deliver(self, fn: Callable[[Any], Any]) -> Any:
         """fn(engine) on rank 0 (the sync's delivery of the gathered weights); rank 0 gets its result, the others

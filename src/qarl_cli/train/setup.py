@@ -138,7 +138,7 @@ def _start_engine(cfg: TrainConfig, weights: Path, scheme: Any, context: int, de
     from qarl_cli.rollout.base import build_engine
 
     try:
-        return build_engine(cfg.rollout, weights, scheme, weights=cfg.sync.mode, dtype=cfg.model.dtype,
+        return build_engine(cfg.rollout, weights, scheme, dtype=cfg.model.dtype,
                             seed=cfg.seed, max_model_len=context, device=device, workdir=None)
     except ValueError as e:
         if isinstance(e, UserError):
