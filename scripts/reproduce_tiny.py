@@ -109,10 +109,13 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _tail(steps: list[dict], frac: float = 1 / 3) -> list[dict]:
+    return steps[-max(1, int(len(steps) * frac)):]
+
+
 def _late(steps: list[dict], key: str, frac: float = 1 / 3) -> float:
     """The mean of a step metric over the last third of the run (0 where no step logged it)."""
-    tail = steps[-max(1, int(len(steps) * frac)):]
-    vals = [s[key] for s in tail if key in s]
+    vals = [s[key] for s in _tail(steps, frac) if key in s]
     return statistics.fmean(vals) if vals else 0.0
 
 
@@ -195,9 +198,12 @@ def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
         group = [x for x in results if (x["setting"], x["scheme"]) == (r["setting"], r["rollout"])]
         keys = sorted({key for g in group for s in g["steps"] for key in s
                        if key.startswith("mismatch/abs_log_w_mean@")}, key=lambda key: int(key.split("@")[1].split("-")[0]))
-        if keys:
-            ys = [max(LOG_FLOOR, statistics.fmean(_late(g["steps"], key) for g in group)) for key in keys]
-            by_len.plot([key.split("@")[1] for key in keys], ys, marker="o", color=COLORS[r["setting"]],
+        # a bucket no late step of the arm's runs held (no response that long or short) is left out, not drawn as 0
+        held = [(key, [g for g in group if any(key in s for s in _tail(g["steps"]))]) for key in keys]
+        held = [(key, gs) for key, gs in held if gs]
+        if held:
+            ys = [max(LOG_FLOOR, statistics.fmean(_late(g["steps"], key) for g in gs)) for key, gs in held]
+            by_len.plot([key.split("@")[1] for key, _ in held], ys, marker="o", color=COLORS[r["setting"]],
                         linestyle="-" if r["rollout"] in ("none", "int8") else "--", label=labels[i].replace("\n", " "))
     by_len.set_yscale("log")
     by_len.set_title("mean |log w| by response length (tokens), last third", fontsize=9)
