@@ -106,6 +106,8 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["model=hf", "steps=1"], ["model.path"]),  # without --cfg job: a missing required value is an error
     (["+experiment=nope"], ["experiment", "qwen3_30b_a3b_fp8"]),
     (["rollout=vllm", "rollout.gpu_memory_utilization=2"], ["rollout.gpu_memory_utilization"]),
+    (["rollout=vllm", "rollout.sleep_between_steps=true", "rollout.max_staleness=1"],
+     ["rollout.sleep_between_steps", "max_staleness=1"]),  # it would sleep while the next batch is generated
     (["betas=[0.9]"], ["betas", "[0.9]", "[beta1, beta2]"]),
     (["train_threads=-1"], ["train_threads", "-1"]),
     (["algorithm.name=ppo"], ["algorithm.name='ppo'", "algorithm=OPTION", "tbpo"]),  # the name is the option's

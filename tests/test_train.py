@@ -364,6 +364,31 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
 
 
 @pytest.mark.slow
+def test_fsdp_asynchronous_rollouts_train_the_weights_one_process_does(tmp_path):
+    """rollout.max_staleness=1 under torchrun (2 gloo ranks): rank 0's thread generates the next batch while the
+    ranks train, and the batch reaches every rank when its step takes it: staleness 0, 1, 1 as in one process.
+    Step 2 trains the batch generated during step 1 from the starting weights, in both runs the same batch: the
+    weights after it equal one process's with max_staleness=1 up to float summation order. (Step 3's batch is
+    sampled from trained weights, which differ between the runs by rounding: a sampled token may differ, and
+    then the weights by more than rounding.)"""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
+    args = [*SMALL, "rollout=torch", "steps=3", "eval_every=0", "checkpoint_every=2", "rollout.max_staleness=1"]
+    for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
+        out = subprocess.run([*cmd, *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                             timeout=600, env=os.environ)
+        assert out.returncode == 0, out.stderr[-3000:]
+    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    assert [m2[s]["rollout/staleness_mean"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [m2[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0, 0, 1]
+    for step in (1, 2):
+        assert m1[step]["reward/mean"] == m2[step]["reward/mean"]  # the same batches from the same weights
+    ckpt = lambda run_dir: run_dir / "checkpoints" / "step_000002"  # noqa: E731
+    moved = _max_diff(_weights(ckpt(tmp_path / "one")), _weights(tmp_path / "one" / "checkpoints" / "step_000003"))
+    assert moved > 1e-5  # step 3 trained too
+    assert _max_diff(_weights(ckpt(tmp_path / "one")), _weights(ckpt(tmp_path / "two"))) < 1e-6
+
+
+@pytest.mark.slow
 def test_fsdp_with_vllm_on_rank_0_matches_one_process(tmp_path):
     """Under torchrun rank 0's vLLM engine core runs in a spawned child (the trainer's process group is this
     process's default group, which an in-process vLLM would take for its own) and gets the synced weights through

@@ -15,7 +15,7 @@ class RolloutConfig:
     name: str = MISSING  # option name
     # Asynchronous rollouts: the batches of the next k steps are generated while the current one trains, so a
     # batch comes from weights up to k updates old (corrected by the objective's rollout/old ratio). 0: the
-    # synchronous loop (resume is exact only there). One trainer process only (not under torchrun yet).
+    # synchronous loop (resume is exact only there). Under torchrun rank 0 generates and broadcasts each batch.
     max_staleness: int = 0
 
     def __post_init__(self) -> None:
@@ -45,6 +45,9 @@ class VLLMRolloutConfig(RolloutConfig):
         require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
                 "must be in (0, 1]")
         require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
+        require(not (self.sleep_between_steps and self.max_staleness), "sleep_between_steps", self.sleep_between_steps,
+                f"cannot be true with max_staleness={self.max_staleness}: the engine generates the next batch "
+                "while the trainer updates, so it cannot sleep then")
 
 
 @dataclass

@@ -8,6 +8,10 @@ loop waits for what is in flight (`settle`), so an engine never changes weights 
 the weight version that produced it (`meta["weight_version"]`, one per sample); the objectives correct the lag
 through the rollout/old ratio they already use for quantization mismatch (docs/objectives.md).
 
+Under torchrun rank 0 alone generates: its thread calls rank 0's engine itself (no collective leaves the thread), and
+the batch is broadcast when the step takes it, from the main thread, where every rank is in step; the other ranks
+draw the same problems and wait in that broadcast.
+
 Which problems and which sampling seed a step gets depend on the step alone, so k = 0 is exactly the synchronous
 loop, and resume is exact for it. For k > 0 a resumed run's first batch is generated with the checkpoint's
 weights (staleness 0 where the uninterrupted run had 1): same problems, same seeds, a slightly fresher policy."""
@@ -35,12 +39,18 @@ class Rollouts:
         self.version = version  # weights the engine serves: bumped by the loop after each sync
         self.next_step = start_step  # the first step whose problems are not drawn yet
         self.pending: dict[int, tuple[list, list, Future, int]] = {}
-        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(1, "qarl-rollout") if self.k else None
+        self.dist = run.dist
+        # the thread runs only where the engine is (rank 0); it must not call MainEngine, whose calls are collectives
+        self.pool: Optional[ThreadPoolExecutor] = (ThreadPoolExecutor(1, "qarl-rollout")
+                                                   if self.k and self.dist.main else None)
+        from qarl_cli.train.distributed import MainEngine
 
-    def _generate(self, step: int, prompts: list[list[int]]):
+        self.local = run.engine.engine if isinstance(run.engine, MainEngine) else run.engine
+
+    def _generate(self, step: int, prompts: list[list[int]], engine: Any = None):
         cfg = self.run.cfg
-        return self.run.engine.generate(prompts, cfg.samples_per_prompt, cfg.temperature, cfg.top_p,
-                                        cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
+        return (engine or self.run.engine).generate(prompts, cfg.samples_per_prompt, cfg.temperature, cfg.top_p,
+                                                    cfg.max_new_tokens, seed=cfg.seed * 1_000_003 + step)
 
     def _start(self, step: int) -> None:
         assert step == self.next_step, (step, self.next_step)  # problems are drawn in step order
@@ -48,9 +58,9 @@ class Rollouts:
         prompts = self.run.encode(problems)
         future: Future = Future()
         if self.pool is None:
-            future.set_result(None)  # generated in take(), synchronously
+            future.set_result(None)  # generated in take(), synchronously (k = 0), or by rank 0 (k > 0, other ranks)
         else:
-            future = self.pool.submit(self._generate, step, prompts)
+            future = self.pool.submit(self._generate, step, prompts, self.local)
         self.pending[step] = (problems, prompts, future, self.version)
         self.next_step += 1
 
@@ -62,7 +72,10 @@ class Rollouts:
             self._start(ahead)
         problems, prompts, future, version = self.pending.pop(step)
         start = time.perf_counter()
-        batch = future.result() if self.pool is not None else self._generate(step, prompts)
+        if self.k:  # rank 0's thread generated it; every rank gets it (one process: the result itself)
+            batch = self.dist.main_only(future.result)
+        else:
+            batch = self._generate(step, prompts)
         batch.meta["weight_version"] = [version] * len(batch)
         return Taken(problems, prompts, batch, version, time.perf_counter() - start)
 

@@ -83,10 +83,6 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     from qarl_cli.train.state import find_resume, load_trainer_state
 
     dist = dist or Single()
-    if dist.world > 1 and cfg.rollout.max_staleness:
-        raise UserError(f"rollout.max_staleness={cfg.rollout.max_staleness}: asynchronous rollouts need one trainer "
-                        "process (rank 0's engine would generate while the ranks' collectives run); use 0 under "
-                        "torchrun")
     torch.manual_seed(cfg.seed)
     device = torch.device(resolve_device(cfg.device))
     source = model_dir(cfg.model, log=log)
