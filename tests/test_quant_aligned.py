@@ -174,3 +174,71 @@ def test_ignoring_only_some_expert_matrices_is_refused(moe_path):
     cfg = Int8Config(ignore=["lm_head", r".*\.mlp\.gate$", r".*\.experts"])
     model = align(_load(moe_path), build_scheme(cfg, "cpu"))
     assert not any(isinstance(m, AlignedExperts) for m in model.modules())
+
+
+def _saved_weight_copies(model, run):
+    """Tensors autograd saves for the backward of `run()` that are a Wq (transposed or not) of one of the aligned
+    modules and not a master: the quantized weights a backward would keep alive (what FSDP must not find
+    after its reshard). Wq is recomputed here, by each module's own quantizer, before the forward."""
+    wqs = []
+    for m in model.modules():
+        if isinstance(m, AlignedLinear):
+            wqs.append(m.compute()[1])
+        elif isinstance(m, AlignedExperts):
+            wqs += [w[e] for w in m.compute() for e in range(w.shape[0])]
+    copies = []
+
+    def pack(t):
+        if any(t.shape == w.shape and torch.equal(t, w) or t.shape == w.t().shape and torch.equal(t, w.t())
+               for w in wqs):
+            copies.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return out, copies
+
+
+@pytest.mark.parametrize("name,kernel", [(n, "fake") for n in SCHEMES] + [("int8", "lowbit")])
+def test_without_a_cache_the_forward_and_gradients_are_the_cached_ones_and_no_wq_is_kept(dense_path, name, kernel):
+    """keep_cache(model, False) (what FSDP's shard sets): the same logits and master gradients as the cached
+    forward, no module holds Wq after the forward, and the backward saves the masters, not copies of Wq (with
+    the cache every linear saves its Wq, as autograd's matmul saves it, transposed: 28 of them)."""
+    from qarl_cli.quant.aligned import keep_cache
+
+    scheme = build_scheme(SCHEMAS[name](**({"kernel": kernel} if kernel != "fake" else {})), "cpu")
+    ids = torch.randint(3, 100, (2, 9))
+    grads, logits, copies = [], [], []
+    for keep in (True, False):
+        model = align(_load(dense_path), scheme)
+        keep_cache(model, keep)
+        out, saved = _saved_weight_copies(model, lambda: model(ids).logits)
+        out.square().mean().backward()
+        layers = [m for m in model.modules() if isinstance(m, AlignedLinear)]
+        assert all((m._value is not None) == keep for m in layers)
+        logits.append(out.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+        copies.append(saved)
+    assert len(copies[0]) == 28 and copies[1] == []
+    assert torch.equal(logits[0], logits[1])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7)
+
+
+def test_moe_experts_without_a_cache_give_the_cached_gradients(moe_path):
+    from qarl_cli.quant.aligned import keep_cache
+
+    scheme = build_scheme(SCHEMAS["fp8_block"](), "cpu")
+    ids = torch.randint(3, 100, (2, 7))
+    runs = []
+    for keep in (True, False):
+        model = align(_load(moe_path), scheme)
+        keep_cache(model, keep)
+        out, saved = _saved_weight_copies(model, lambda: model(ids).logits)
+        out.square().mean().backward()
+        experts = model.model.layers[0].mlp.experts
+        runs.append((out.detach(), experts.gate_up_proj.grad, experts.down_proj.grad, saved))
+    assert runs[0][3] and not runs[1][3]  # the cached forward saves Wq slices; without a cache none
+    assert torch.equal(runs[0][0], runs[1][0])
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(runs[1][2], runs[0][2], rtol=1e-5, atol=1e-7)

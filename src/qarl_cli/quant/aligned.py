@@ -9,7 +9,13 @@ Wq is cached per module, computed at the first forward after the masters change 
 until then (rollout-logprob recomputation, the minibatches of a step). The cache key is each master's
 `_version`, which every in-place write through the parameter bumps (optimizer.step, load_state_dict, copy_);
 writes through `param.data` have a version counter of their own, so `refresh_after(optimizer, model)` also drops
-the caches after every optimizer step, and `refresh(model)` drops them on demand."""
+the caches after every optimizer step, and `refresh(model)` drops them on demand.
+
+Under FSDP (`keep_cache(model, False)`, set by train.distributed's shard) nothing is cached: a master is whole only
+inside its layer's forward and backward (FSDP gathers it for each and frees it after), so a cache could never be
+reused, and it would hold every layer's whole Wq on every rank, more than the rank's shard of the model. There Wq is
+computed in each forward from the gathered master and recomputed in the backward from the master FSDP gathers
+again, so no whole Wq outlives its layer's forward or backward."""
 
 from __future__ import annotations
 
@@ -53,12 +59,45 @@ def _version_key(params: list[torch.Tensor]) -> tuple:
     return tuple((p._version, p.data_ptr(), p.dtype) for p in params)
 
 
+class _RecomputedLinear(torch.autograd.Function):
+    """y = x_dq @ Wq^T, saving the master instead of Wq: the backward rebuilds Wq = rebuild(master) (the same
+    quantization as the forward's) for the input's gradient; the weight's is straight-through, as in the fake path."""
+
+    @staticmethod
+    def forward(ctx: Any, x_dq: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, rebuild: Any) -> torch.Tensor:
+        ctx.rebuild = rebuild
+        ctx.save_for_backward(x_dq, master)
+        return F.linear(x_dq, w_dq)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        x_dq, master = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            with torch.no_grad():
+                grad_x = grad @ ctx.rebuild(master.detach()).to(grad.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(master.dtype)
+        return grad_x, grad_w, None, None
+
+
+def _linear(x_dq: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, keep: bool, rebuild: Any,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x_dq @ Wq^T (+ bias) with a straight-through gradient into `master`; keep=False saves the master, not Wq."""
+    if keep or not torch.is_grad_enabled() or not (x_dq.requires_grad or master.requires_grad):
+        return F.linear(x_dq, straight_through(master, w_dq), bias)
+    y = _RecomputedLinear.apply(x_dq, master, w_dq, rebuild)
+    return y if bias is None else y + bias
+
+
 class _Cached(nn.Module):
-    """A module whose quantized weights are recomputed only when its master parameters change."""
+    """A module whose quantized weights are recomputed only when its master parameters change (keep=True), or in
+    every forward and backward (keep=False: under FSDP, where the masters are whole only there)."""
 
     def __init__(self, scheme: Scheme) -> None:
         super().__init__()
         self.scheme = scheme
+        self.keep = True
         self.quantizations = 0  # how often Wq was computed (tests: once per optimizer step)
         self._key: tuple | None = None
         self._value: Any = None
@@ -80,6 +119,11 @@ class _Cached(nn.Module):
         self._key = _version_key(self.masters())
 
     def quantized(self) -> Any:
+        if not self.keep:  # nothing held past this forward
+            self._key = self._value = None
+            self.quantizations += 1
+            with torch.no_grad():
+                return self.compute()
         key = _version_key(self.masters())
         if key != self._key:
             self._value = None  # free the stale copy before building the new one
@@ -95,18 +139,22 @@ class _LowbitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, packed: dict,
-                scheme: Any) -> torch.Tensor:
-        ctx.save_for_backward(scheme.fake_quant_act(x), w_dq)
+                scheme: Any, keep: bool) -> torch.Tensor:
+        ctx.scheme, ctx.keep = scheme, keep
+        ctx.save_for_backward(scheme.fake_quant_act(x), w_dq if keep else master)  # keep=False: rebuilt below
         return scheme.lowbit_matmul(x, packed, w_dq)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        x_dq, w_dq = ctx.saved_tensors
-        grad_x = grad @ w_dq.to(grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_w = None
+        x_dq, w = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            with torch.no_grad():
+                w_dq = w if ctx.keep else ctx.scheme.dequantize(ctx.scheme.quantize(w.detach()), w.dtype)
+                grad_x = grad @ w_dq.to(grad.dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(w_dq.dtype)
-        return grad_x, grad_w, None, None, None
+            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(w.dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
 class AlignedLinear(_Cached):
@@ -121,8 +169,11 @@ class AlignedLinear(_Cached):
         return [self.weight]
 
     def compute(self) -> tuple[dict, torch.Tensor]:
-        packed = self.scheme.quantize(self.weight.detach())
-        return packed, self.scheme.dequantize(packed, self.weight.dtype)
+        return self._quantize(self.weight.detach())
+
+    def _quantize(self, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        packed = self.scheme.quantize(w)
+        return packed, self.scheme.dequantize(packed, w.dtype)
 
     def packed(self) -> dict:
         """Wq in the scheme's checkpoint format, from the cache: the weight sync sends these, so Q(W) runs once
@@ -133,11 +184,12 @@ class AlignedLinear(_Cached):
         packed, w_dq = self.quantized()
         if self.lowbit:
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-                y = _LowbitLinear.apply(x, self.weight, w_dq, packed, self.scheme)
+                y = _LowbitLinear.apply(x, self.weight, w_dq, packed, self.scheme, self.keep)
             else:  # no backward: skip the dequantized input the backward would need
                 y = self.scheme.lowbit_matmul(x, packed, w_dq)
             return y if self.bias is None else y + self.bias
-        return F.linear(quant_act(self.scheme, x), straight_through(self.weight, w_dq), self.bias)
+        return _linear(quant_act(self.scheme, x), self.weight, w_dq, self.keep, lambda w: self._quantize(w)[1],
+                       self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme.name}, lowbit={self.lowbit}"
@@ -160,24 +212,32 @@ class AlignedExperts(_Cached):
         return [self.gate_up_proj, self.down_proj]
 
     def compute(self) -> tuple[torch.Tensor, torch.Tensor]:
-        gu = self.gate_up_proj.detach()
-        e, two_i, h = gu.shape
-        gate_up = self.scheme.fake_quant_weight(gu.reshape(e, 2, two_i // 2, h)).reshape(gu.shape)
-        return gate_up, self.scheme.fake_quant_weight(self.down_proj.detach())
+        return self._gate_up(self.gate_up_proj.detach()), self.scheme.fake_quant_weight(self.down_proj.detach())
+
+    def _gate_up(self, gu: torch.Tensor) -> torch.Tensor:
+        """gate and up of each expert ([..., 2I, H]) quantized as two matrices, as the checkpoint holds them."""
+        two_i, h = gu.shape[-2:]
+        return self.scheme.fake_quant_weight(gu.reshape(*gu.shape[:-2], 2, two_i // 2, h)).reshape(gu.shape)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.quantized()
-        gate_up = straight_through(self.gate_up_proj, gate_up)
-        down = straight_through(self.down_proj, down)
+        gate_up_q, down_q = self.quantized()
+        if self.keep:
+            gate_up = straight_through(self.gate_up_proj, gate_up_q)
+            down = straight_through(self.down_proj, down_q)
         x = quant_act(self.scheme, hidden_states)
         out = torch.zeros_like(hidden_states)
         with torch.no_grad():  # experts with tokens (an expert-parallel index may point past the local ones)
             hit = [e for e in torch.unique(top_k_index).tolist() if e < self.num_experts]
         for e in hit:
             token, slot = torch.where(top_k_index == e)
-            gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
-            h = F.linear(quant_act(self.scheme, self.act_fn(gate) * up), down[e])
+            if self.keep:
+                gate, up = F.linear(x[token], gate_up[e]).chunk(2, dim=-1)
+                h = F.linear(quant_act(self.scheme, self.act_fn(gate) * up), down[e])
+            else:  # each expert's matrices saved as masters and quantized again in the backward
+                gate, up = _linear(x[token], self.gate_up_proj[e], gate_up_q[e], False, self._gate_up).chunk(2, dim=-1)
+                h = _linear(quant_act(self.scheme, self.act_fn(gate) * up), self.down_proj[e], down_q[e], False,
+                            self.scheme.fake_quant_weight)
             out.index_add_(0, token, (h * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 
@@ -199,6 +259,15 @@ def refresh(model: nn.Module) -> None:
     """Drop every cached Wq of `model`: the next forward quantizes the masters again."""
     for m in model.modules():
         if isinstance(m, _Cached):
+            m.refresh()
+
+
+def keep_cache(model: nn.Module, keep: bool) -> None:
+    """keep=False: every aligned module of `model` quantizes in each forward and backward and holds nothing past
+    them (for a model whose masters are sharded between forwards: FSDP)."""
+    for m in model.modules():
+        if isinstance(m, _Cached):
+            m.keep = keep
             m.refresh()
 
 
