@@ -363,6 +363,17 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
     assert not list(tmp_path.glob("**/error*.log"))
 
 
+def _one_process_and_two_ranks(tmp_path, *args):
+    """The same run in one process (tmp_path/one) and under torchrun with 2 gloo ranks (tmp_path/two); their
+    metrics by step."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
+    for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
+        out = subprocess.run([*cmd, *SMALL, *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                             timeout=600, env=os.environ)
+        assert out.returncode == 0, out.stderr[-3000:]
+    return _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+
+
 @pytest.mark.slow
 def test_fsdp_asynchronous_rollouts_train_the_weights_one_process_does(tmp_path):
     """rollout.max_staleness=1 under torchrun (2 gloo ranks): rank 0's thread generates the next batch while the
@@ -371,13 +382,8 @@ def test_fsdp_asynchronous_rollouts_train_the_weights_one_process_does(tmp_path)
     weights after it equal one process's with max_staleness=1 up to float summation order. (Step 3's batch is
     sampled from trained weights, which differ between the runs by rounding: a sampled token may differ, and
     then the weights by more than rounding.)"""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
-    args = [*SMALL, "rollout=torch", "steps=3", "eval_every=0", "checkpoint_every=2", "rollout.max_staleness=1"]
-    for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
-        out = subprocess.run([*cmd, *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
-                             timeout=600, env=os.environ)
-        assert out.returncode == 0, out.stderr[-3000:]
-    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    m1, m2 = _one_process_and_two_ranks(tmp_path, "rollout=torch", "steps=3", "eval_every=0", "checkpoint_every=2",
+                                        "rollout.max_staleness=1")
     assert [m2[s]["rollout/staleness_mean"] for s in (1, 2, 3)] == [0, 1, 1]
     assert [m2[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0, 0, 1]
     for step in (1, 2):
@@ -394,13 +400,8 @@ def test_fsdp_with_vllm_on_rank_0_matches_one_process(tmp_path):
     process's default group, which an in-process vLLM would take for its own) and gets the synced weights through
     the RL API, gathered a layer at a time: 2 gloo ranks sample the same rollouts, the engine serves the trainer's
     weights after every sync, and the run ends with the same weights as one process with vLLM in it."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
-    args = [*SMALL, "rollout=vllm", "steps=2", "eval_every=0", "checkpoint_every=0", "sync.verify_every=1"]
-    for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
-        out = subprocess.run([*cmd, *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
-                             timeout=600, env=os.environ)
-        assert out.returncode == 0, out.stderr[-3000:]
-    m1, m2 = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+    m1, m2 = _one_process_and_two_ranks(tmp_path, "rollout=vllm", "steps=2", "eval_every=0", "checkpoint_every=0",
+                                        "sync.verify_every=1")
     for step in (1, 2):
         assert m1[step]["reward/mean"] == m2[step]["reward/mean"]  # the same rollouts, before and after a sync
         assert m2[step]["sync/verify_gap_mean"] < 1e-2  # the child engine serves the trainer's weights

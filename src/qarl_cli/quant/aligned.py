@@ -72,13 +72,19 @@ class _RecomputedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x_dq, master = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            with torch.no_grad():
-                grad_x = grad @ ctx.rebuild(master.detach()).to(grad.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(master.dtype)
-        return grad_x, grad_w, None, None
+        return *_linear_grads(ctx, grad, x_dq, lambda: ctx.rebuild(master.detach()), master.dtype), None, None
+
+
+def _linear_grads(ctx: Any, grad: torch.Tensor, x_dq: torch.Tensor, w_dq: Any, dtype: torch.dtype) -> tuple:
+    """(d/dx, d/dW) of y = x_dq @ Wq^T, the weight's straight through: d/dW = d/dWq. `w_dq()` gives Wq, built
+    only when the input needs its gradient."""
+    grad_x = grad_w = None
+    if ctx.needs_input_grad[0]:
+        with torch.no_grad():
+            grad_x = grad @ w_dq().to(grad.dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(dtype)
+    return grad_x, grad_w
 
 
 def _linear(x_dq: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, keep: bool, rebuild: Any,
@@ -147,14 +153,8 @@ class _LowbitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x_dq, w = ctx.saved_tensors
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            with torch.no_grad():
-                w_dq = w if ctx.keep else ctx.scheme.dequantize(ctx.scheme.quantize(w.detach()), w.dtype)
-                grad_x = grad @ w_dq.to(grad.dtype)
-        if ctx.needs_input_grad[1]:
-            grad_w = (grad.reshape(-1, grad.shape[-1]).t() @ x_dq.reshape(-1, x_dq.shape[-1])).to(w.dtype)
-        return grad_x, grad_w, None, None, None, None
+        w_dq = (lambda: w) if ctx.keep else lambda: ctx.scheme.dequantize(ctx.scheme.quantize(w.detach()), w.dtype)
+        return *_linear_grads(ctx, grad, x_dq, w_dq, w.dtype), None, None, None, None
 
 
 class AlignedLinear(_Cached):
