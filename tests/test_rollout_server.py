@@ -221,3 +221,25 @@ def test_sigterm_of_qarl_train_leaves_no_server(tmp_path):
     while _tagged(tag) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _tagged(tag) == []
+
+
+def test_asynchronous_rollouts_over_two_servers(tmp_path):
+    """`qarl train rollout=vllm_server rollout.num_servers=2 rollout.max_staleness=1 quant=int8`: the batch of
+    each step after the first was generated over HTTP while the previous step trained (staleness 1, weight version
+    one behind), and every sync still reaches both servers (the probe and the checksums pass after each)."""
+    import json
+
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "qarl_cli.cli", "train", "rollout=vllm_server",
+                          "rollout.num_servers=2", "rollout.kv_cache_memory_bytes=268435456",
+                          "rollout.max_staleness=1", "quant=int8", "sync.verify_every=1", "prompts_per_step=8",
+                          "samples_per_prompt=4", "data.test_size=8", "eval_every=0", "checkpoint_every=0",
+                          "reward.num_workers=1", "steps=3", f"hydra.run.dir={run}"],
+                         capture_output=True, text=True, timeout=600, env=os.environ)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = {r["step"]: r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    assert [steps[s]["rollout/staleness_mean"] for s in (1, 2, 3)] == [0, 1, 1]
+    assert [steps[s]["rollout/weight_version"] for s in (1, 2, 3)] == [0, 0, 1]
+    synced = [s for s in (1, 2, 3) if "sync/verify_gap_mean" in steps[s]]
+    assert synced  # at least one step had signal and pushed
+    assert all(steps[s]["sync/checksummed"] == 25 for s in synced)

@@ -145,15 +145,16 @@ class _LowbitLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, master: torch.Tensor, w_dq: torch.Tensor, packed: dict,
-                scheme: Any, keep: bool) -> torch.Tensor:
-        ctx.scheme, ctx.keep = scheme, keep
-        ctx.save_for_backward(scheme.fake_quant_act(x), w_dq if keep else master)  # keep=False: rebuilt below
+                scheme: Any, rebuild: Any) -> torch.Tensor:
+        """rebuild: None to save Wq for the backward, else master -> Wq (the backward saves the master instead)."""
+        ctx.rebuild = rebuild
+        ctx.save_for_backward(scheme.fake_quant_act(x), w_dq if rebuild is None else master)
         return scheme.lowbit_matmul(x, packed, w_dq)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         x_dq, w = ctx.saved_tensors
-        w_dq = (lambda: w) if ctx.keep else lambda: ctx.scheme.dequantize(ctx.scheme.quantize(w.detach()), w.dtype)
+        w_dq = (lambda: w) if ctx.rebuild is None else lambda: ctx.rebuild(w.detach())
         return *_linear_grads(ctx, grad, x_dq, w_dq, w.dtype), None, None, None, None
 
 
@@ -182,14 +183,14 @@ class AlignedLinear(_Cached):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed, w_dq = self.quantized()
+        rebuild = lambda w: self._quantize(w)[1]  # noqa: E731 - Wq again from the master (keep=False's backward)
         if self.lowbit:
             if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-                y = _LowbitLinear.apply(x, self.weight, w_dq, packed, self.scheme, self.keep)
+                y = _LowbitLinear.apply(x, self.weight, w_dq, packed, self.scheme, None if self.keep else rebuild)
             else:  # no backward: skip the dequantized input the backward would need
                 y = self.scheme.lowbit_matmul(x, packed, w_dq)
             return y if self.bias is None else y + self.bias
-        return _linear(quant_act(self.scheme, x), self.weight, w_dq, self.keep, lambda w: self._quantize(w)[1],
-                       self.bias)
+        return _linear(quant_act(self.scheme, x), self.weight, w_dq, self.keep, rebuild, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, scheme={self.scheme.name}, lowbit={self.lowbit}"

@@ -35,6 +35,8 @@ class Taken:
 
 class Rollouts:
     def __init__(self, run: Any, stream: Iterator, start_step: int, version: int = 0) -> None:
+        from qarl_cli.train.distributed import MainEngine
+
         self.run, self.stream, self.k = run, stream, run.cfg.rollout.max_staleness
         self.version = version  # weights the engine serves: bumped by the loop after each sync
         self.next_step = start_step  # the first step whose problems are not drawn yet
@@ -43,8 +45,6 @@ class Rollouts:
         # the thread runs only where the engine is (rank 0); it must not call MainEngine, whose calls are collectives
         self.pool: Optional[ThreadPoolExecutor] = (ThreadPoolExecutor(1, "qarl-rollout")
                                                    if self.k and self.dist.main else None)
-        from qarl_cli.train.distributed import MainEngine
-
         self.local = run.engine.engine if isinstance(run.engine, MainEngine) else run.engine
 
     def _generate(self, step: int, prompts: list[list[int]], engine: Any = None):
