@@ -1,9 +1,11 @@
 """Weight-sync figures of rollout=vllm_server: time per push and the sender's peak extra memory (RSS above its
 level before the push, sampled every 5 ms), bucketed (sync.bucket_mb, default 256) against whole-model (one
 bucket holding everything), for the tiny model and a random ~100M-parameter Qwen3; int8 pre-quantized and
-unquantized. One real vLLM server on 127.0.0.1 per case.
+unquantized; per transfer backend: qarl_shm (the server reads the bucket files) and qarl_gloo (their tensors are
+broadcast to it over TCP, as to a server on another node). One real vLLM server on 127.0.0.1 per case.
 
     .venv/bin/python scripts/bench_sync.py [--out bench_sync.json] [--repeats 3] [--skip-100m]
+        [--backends qarl_shm,qarl_gloo]
 
 Prints a table and writes JSON."""
 
@@ -72,7 +74,7 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def case(src: Path, quant: str, dtype: str, bucket_mb: int, repeats: int) -> dict:
+def case(src: Path, quant: str, dtype: str, bucket_mb: int, repeats: int, backend: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -85,8 +87,8 @@ def case(src: Path, quant: str, dtype: str, bucket_mb: int, repeats: int) -> dic
     from qarl_cli.rollout.vllm_server import ServerEngine
 
     scheme = build_scheme(SCHEMAS[quant](), "cpu")
-    engine = ServerEngine(VLLMServerRolloutConfig(kv_cache_memory_bytes=1 << 28), src, scheme, dtype=dtype, seed=0,
-                          max_model_len=128)
+    engine = ServerEngine(VLLMServerRolloutConfig(kv_cache_memory_bytes=1 << 28, transfer_backend=backend), src,
+                          scheme, dtype=dtype, seed=0, max_model_len=128)
     try:
         trainer = align(AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype)), scheme)
         params = sum(p.numel() for p in trainer.parameters())
@@ -105,7 +107,7 @@ def case(src: Path, quant: str, dtype: str, bucket_mb: int, repeats: int) -> dic
         sync.close()
     finally:
         engine.close()
-    return {"model": src.name, "params_M": round(params / 1e6, 1), "quant": quant,
+    return {"backend": backend, "model": src.name, "params_M": round(params / 1e6, 1), "quant": quant,
             "bucket_mb": bucket_mb if bucket_mb < 10**6 else "whole", "sent_mb": round(sent / 2**20, 1),
             "buckets": int(metrics["sync/buckets"]), "sync_s": round(statistics.median(times), 3),
             "peak_extra_rss_mb": round(max(extra), 1)}
@@ -116,6 +118,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench_sync.json")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-100m", action="store_true")
+    parser.add_argument("--backends", default="qarl_shm,qarl_gloo")
     args = parser.parse_args()
 
     from qarl_cli.config.model import TinyModelConfig
@@ -126,8 +129,9 @@ def main() -> None:
     if not args.skip_100m:
         big = random_qwen3(Path(tempfile.gettempdir()) / "qarl-bench-qwen3-100m", tiny)
         cases += [(big, q, "bfloat16", b) for q in ("none", "int8") for b in (32, 10**7)]
-    rows = [case(src, q, dtype, b, args.repeats) for src, q, dtype, b in cases]
-    table("weight sync into one vLLM server (RL API, qarl_shm)", rows)
+    rows = [case(src, q, dtype, b, args.repeats, backend) for backend in args.backends.split(",")
+            for src, q, dtype, b in cases]
+    table("weight sync into one vLLM server (RL API)", rows)
     Path(args.out).write_text(json.dumps(rows, indent=2))
 
 

@@ -4,8 +4,11 @@
 #
 #     bash scripts/gpu_check.sh            # OUT=gpu_check_out by default; the log is $OUT/gpu_check.log
 #
-# Sections, each under `timeout` (seconds; override with T_SETUP=... etc.), 445 s + 5 s per kill at most, < 8 min:
-#   setup 70 | triton (compiled kernels vs torch references) 45 | gpu tests (pytest -m gpu) 100
+# Sections, each under `timeout` (seconds; override with T_SETUP=... etc.), 545 s + 5 s per kill at most, < 10 min:
+#   setup 70 | triton (compiled kernels vs torch references) 45 | gpu tests (pytest -m gpu) 200: among them the
+#   engine's sleep freeing GPU memory (test_engine_sleep.py), weights over qarl_gloo into a GPU server and over
+#   vLLM's nccl into a server on a second GPU (test_gpu_transfer.py; with one GPU the nccl test is skipped: NCCL
+#   refuses a group whose two ranks share a device)
 #   rollout (scripts/bench_rollout.py: vLLM + torch engines, int8/fp8_block/w4a16, weight sync + verify probe) 170
 #   mismatch (scripts/bench_mismatch.py, if present) 60 | quant (scripts/bench_quant.py, only if BENCH_QUANT=1) 50
 # Nothing is downloaded. Python: the first of .venv/bin/python, python3, python that imports torch (with CUDA) and
@@ -16,7 +19,7 @@
 # section does not stop the others (a failed setup does); the summary lists each; exit status 1 if any failed.
 set -uo pipefail
 
-: "${T_SETUP:=70}" "${T_TRITON:=45}" "${T_GPU_TESTS:=100}" "${T_ROLLOUT:=170}" "${T_MISMATCH:=60}" "${T_QUANT:=50}"
+: "${T_SETUP:=70}" "${T_TRITON:=45}" "${T_GPU_TESTS:=200}" "${T_ROLLOUT:=170}" "${T_MISMATCH:=60}" "${T_QUANT:=50}"
 [ -f pyproject.toml ] && [ -d src/qarl_cli ] || { echo "gpu_check: run me from the qarl repository root" >&2; exit 2; }
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 2; }
@@ -139,7 +142,7 @@ if [ $HAS_VLLM = 0 ]; then
     mapfile -t GPU_FILES < <(grep -L -E '^ *(from vllm|import vllm)' "${GPU_FILES[@]}")
     NOTE="$NOTE; vllm missing: vLLM test files left out"
 fi
-run_section gpu_tests "$T_GPU_TESTS" "$NOTE" "$PY" -m pytest -q -p no:cacheprovider -m gpu "${GPU_FILES[@]}"
+run_section gpu_tests "$T_GPU_TESTS" "$NOTE" "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu "${GPU_FILES[@]}"
 
 # ---- (c) rollouts: throughput per engine and scheme (vLLM: none, int8, fp8_block, w4a16), sync + verify probe ----
 ENGINES=vllm,torch; [ $HAS_VLLM = 1 ] || ENGINES=torch

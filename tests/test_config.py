@@ -108,6 +108,13 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["rollout=vllm", "rollout.gpu_memory_utilization=2"], ["rollout.gpu_memory_utilization"]),
     (["rollout=vllm", "rollout.sleep_between_steps=true", "rollout.max_staleness=1"],
      ["rollout.sleep_between_steps", "max_staleness=1"]),  # it would sleep while the next batch is generated
+    (["rollout=vllm_server", "rollout.transfer_backend=rdma"], ["rollout.transfer_backend", "qarl_gloo", "nccl"]),
+    (["rollout=vllm_server", "rollout.transfer_backend=qarl_gloo", "rollout.transfer_host=10.0.0.5"],
+     ["rollout.transfer_host", "10.0.0.5", "api_key"]),  # the groups' secrets go over the keyed routes
+    (["rollout=vllm_server", "rollout.urls=[http://10.0.0.7:8000]", "rollout.api_key=k"],
+     ["rollout.transfer_backend", "qarl_shm", "10.0.0.7", "qarl_gloo"]),  # files in this node's memory
+    (["rollout=vllm_server", "rollout.transfer_backend=nccl", "sync.mode=online"],
+     ["sync.mode", "nccl", "prequantized"]),  # vLLM's nccl engine loads as received: it cannot quantize
     (["betas=[0.9]"], ["betas", "[0.9]", "[beta1, beta2]"]),
     (["train_threads=-1"], ["train_threads", "-1"]),
     (["algorithm.name=ppo"], ["algorithm.name='ppo'", "algorithm=OPTION", "tbpo"]),  # the name is the option's

@@ -194,11 +194,13 @@ def test_paper_experiment_composes_into_the_server_topology(tmp_path):
                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=600,
                          env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "1 vLLM server(s) on the CPU, tensor_parallel_size=1" in out.stdout and "step 1/1" in out.stdout
+    assert "1 vLLM server(s) on the CPU, tensor_parallel_size=1, transfer_backend=qarl_gloo (nccl needs GPUs)" \
+        in out.stdout and "step 1/1" in out.stdout
     from qarl_cli.config.registry import conf_dir
 
     preset = (conf_dir() / "experiment" / "qwen3_30b_a3b_fp8.yaml").read_text()
     assert "override /rollout: vllm_server" in preset and 'devices: ["4,5,6,7"]' in preset
+    assert "transfer_backend: nccl" in preset
 
 
 def _small_cfg(*extra):

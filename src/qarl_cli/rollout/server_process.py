@@ -128,9 +128,16 @@ class Server:
              timeout: Optional[float] = None) -> Any:
         """POST to the server; its JSON answer. ServerDied when it is gone; RuntimeError naming the route and the
         server's message when it answers with an error."""
+        return self._request("post", path, json=body, params=params, timeout=timeout)
+
+    def get(self, path: str, timeout: Optional[float] = None) -> Any:
+        """GET from the server (as post)."""
+        return self._request("get", path, timeout=timeout)
+
+    def _request(self, method: str, path: str, timeout: Optional[float] = None, **kwargs) -> Any:
         try:
-            r = self.session().post(f"{self.url}{path}", json=body, params=params, headers=self.headers,
-                                    timeout=timeout or self.timeout)
+            r = self.session().request(method, f"{self.url}{path}", headers=self.headers,
+                                       timeout=timeout or self.timeout, **kwargs)
         except (self._requests.ConnectionError, self._requests.Timeout) as e:
             raise ServerDied(f"server {self.index} ({self.url}): {type(e).__name__}") from e
         if r.status_code >= 500 and not self.alive():

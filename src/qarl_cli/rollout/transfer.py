@@ -1,4 +1,4 @@
-"""Weights into vLLM servers through vLLM's RL API, with the `qarl_shm` backend (rollout.vllm_transfer).
+"""Weights into vLLM servers through vLLM's RL API (the data plane: rollout.channels, `rollout.transfer_backend`).
 
 One push: the trainer's checkpoint-format tensors are checked one by one (names, shapes, dtypes, finite values
 against what the servers serve) and written as buckets of at most `bucket_bytes` (safetensors files in host
@@ -12,8 +12,8 @@ When the sync's verify is due, every server's `/weight_checker` checksums are th
 the sent tensors it keeps as sent (rollout.checksums); a server holding anything else counts as failed.
 A server that fails any of these is restarted, and every server is put back on the previous version (its buckets
 are kept until the next push succeeds; before the first push, the start-up checkpoint): never half-updated.
-The files are what this backend shares between processes on one node; servers on other nodes need a network
-backend (vLLM's nccl), which this module does not drive yet."""
+With `qarl_shm` the servers read the files (one node); with `qarl_gloo` or `nccl` their tensors are broadcast to
+each server's workers (any node), and the files stay on the trainer's node as what a rollback resends."""
 
 from __future__ import annotations
 
@@ -122,8 +122,11 @@ class RLApiTransfer:
         self.version = "0"
         # sync.mode=online: the quant config and unquantized checkpoint the worker quantizes with; {}: prequantized
         self.init_info = {"quant": online["quant"], "source": online["source"]} if online else {}
+        from qarl_cli.rollout.channels import channel_for
+
+        self.channel = channel_for(engine.cfg)
         for server in engine.weight_receivers():
-            server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
+            self.channel.init(server, self.init_info)
         engine.on_restart.append(self.replay)
 
     def push(self, weights: Iterable[tuple[str, torch.Tensor]], version: str, check: bool = False
@@ -176,12 +179,14 @@ class RLApiTransfer:
     def _to_all(self, servers: list, paths: list[Path], version: str) -> dict[int, str]:
         def one(server) -> Optional[str]:
             try:
-                send(server, paths, version)
+                self.channel.send(server, paths, version)
                 return None
             except Exception as e:  # noqa: BLE001 - reported, and the server rolled back
                 return f"{type(e).__name__}: {e}"
-        if len(servers) == 1:  # in this thread: an in-process engine's update runs here, Ctrl-C lands here
-            results = [one(servers[0])]
+        # In this thread for one server (an in-process engine's update runs here, Ctrl-C lands here) or a channel
+        # that sends to one at a time
+        if len(servers) == 1 or not self.channel.parallel:
+            results = [one(s) for s in servers]
         else:
             with ThreadPoolExecutor(len(servers)) as pool:
                 results = list(pool.map(one, servers))
@@ -191,7 +196,7 @@ class RLApiTransfer:
         for server in servers:
             if self.current:
                 try:
-                    send(server, self.current, self.version)
+                    self.channel.send(server, self.current, self.version)
                     continue
                 except Exception:  # noqa: BLE001 - then a restart, which replays
                     pass
@@ -204,21 +209,13 @@ class RLApiTransfer:
 
     def replay(self, server: Any) -> None:
         """Bring a (re)started server to the current version."""
-        server.post("/init_weight_transfer_engine", {"init_info": self.init_info})
+        self.channel.init(server, self.init_info)
         if self.current:
-            send(server, self.current, self.version)
+            self.channel.send(server, self.current, self.version)
 
     def close(self) -> None:
+        if self.replay in self.engine.on_restart:  # a server restarted later is no longer this transfer's
+            self.engine.on_restart.remove(self.replay)
+        self.channel.close()
         shutil.rmtree(self.directory, ignore_errors=True)
 
-
-def send(server: Any, paths: list[Path], version: str) -> None:
-    """The RL API's update sequence on one server."""
-    server.post("/pause", params={"mode": "wait"})
-    try:
-        server.post("/start_weight_update")
-        for path in paths:
-            server.post("/update_weights", {"update_info": {"path": str(path)}})
-        server.post("/finish_weight_update", {"weight_version": version})
-    finally:
-        server.post("/resume")
