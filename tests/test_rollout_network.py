@@ -151,3 +151,84 @@ def test_nccl_without_a_gpu_is_one_clear_error():
 
     with pytest.raises(UserError, match="transfer_backend=nccl.*no CUDA GPU.*qarl_gloo"):
         channel_for(VLLMServerRolloutConfig(transfer_backend="nccl"))
+
+
+def test_the_nccl_channel_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
+    """What the nccl channel sends, checked against vLLM's own nccl backend: its init payload and per-bucket
+    update_info parse as NCCLWeightTransferInitInfo / NCCLWeightTransferUpdateInfo (what the server's
+    NCCLWeightTransferEngine builds from them), the pause .. resume sequence carries the version, and the group
+    receives every tensor of each bucket in the announced order, shape and dtype, with the bucket's values.
+    The GPU parts are replaced, because they cannot run here: the CUDA device and stream calls, and vLLM's
+    PyNccl communicator (its trainer_init), by a recorder with PyNcclCommunicator.broadcast's signature; the
+    server is a recorder of its routes. test_gpu_transfer.py runs the real thing on two GPUs."""
+    from safetensors.torch import load_file, save_file
+    from vllm.distributed.weight_transfer import nccl_common
+    from vllm.distributed.weight_transfer.nccl_engine import (NCCLWeightTransferInitInfo,
+                                                              NCCLWeightTransferUpdateInfo)
+
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.rollout.channels import channel_for
+
+    class Stream:
+        def synchronize(self):
+            pass
+
+    for name, fake in (("is_available", lambda: True), ("current_device", lambda: 0),
+                       ("set_device", lambda d: None), ("current_stream", lambda: Stream())):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    received = []
+
+    class Group:  # PyNcclCommunicator.broadcast(tensor, src, stream)
+        def broadcast(self, tensor, src, stream=None):
+            assert src == 0
+            received.append(tensor.clone())
+
+    rendezvous = []
+    monkeypatch.setattr(nccl_common, "trainer_init", lambda info, rank=0: rendezvous.append(info) or Group())
+
+    class Server:  # one TP-2 server: the group is the trainer and 2 workers
+        index = 0
+
+        def __init__(self):
+            self.calls = []
+
+        def get(self, path):
+            assert path == "/get_world_size"
+            return {"world_size": 2}
+
+        def post(self, path, body=None, params=None):
+            self.calls.append((path, body, params))
+            if path == "/init_weight_transfer_engine":
+                self.init = NCCLWeightTransferInitInfo(**body["init_info"])
+            if path == "/update_weights":
+                self.updates.append(NCCLWeightTransferUpdateInfo(**body["update_info"]))
+
+    channel = channel_for(VLLMServerRolloutConfig(transfer_backend="nccl"))
+    channel.device = torch.device("cpu")  # where the tensors "go" (a GPU there)
+    server = Server()
+    server.updates = []
+    channel.init(server, {})
+    assert (server.init.rank_offset, server.init.world_size, server.init.packed) == (1, 3, False)
+    assert server.init.master_address == "127.0.0.1" and server.init.nccl_unique_id_b64 is None
+    assert rendezvous == [{"master_address": "127.0.0.1", "master_port": server.init.master_port, "world_size": 3}]
+
+    gen = torch.Generator().manual_seed(0)
+    buckets = [{"a.weight": torch.randint(-127, 127, (4, 6), generator=gen, dtype=torch.int8),
+                "a.weight_scale": torch.rand(4, 1, generator=gen)},
+               {"b.weight": torch.randn(3, 5, generator=gen).to(torch.bfloat16),
+                "b.fp8": torch.randn(2, 8, generator=gen).to(torch.float8_e4m3fn)}]
+    paths = []
+    for i, bucket in enumerate(buckets):
+        paths.append(tmp_path / f"qarl-sync-7-{i:05d}.safetensors")
+        save_file(bucket, str(paths[-1]))
+    channel.send(server, paths, "7")
+    assert [c[0] for c in server.calls[1:]] == ["/pause", "/start_weight_update", "/update_weights",
+                                                "/update_weights", "/finish_weight_update", "/resume"]
+    assert server.calls[-2][1] == {"weight_version": "7"}
+    sent = [(n, buckets[i][n]) for i, p in enumerate(paths) for n in load_file(str(p))]  # each file's order
+    announced = [(n, d, s) for u in server.updates for n, d, s in zip(u.names, u.dtype_names, u.shapes)]
+    assert announced == [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sent]
+    assert all(getattr(torch, d) == t.dtype for (_, d, _), (_, t) in zip(announced, sent))  # the worker's dtype
+    assert len(received) == len(sent)
+    for got, (_, want) in zip(received, sent):
+        assert got.dtype == want.dtype and got.view(torch.uint8).equal(want.view(torch.uint8))

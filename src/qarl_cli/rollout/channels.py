@@ -76,7 +76,8 @@ class NetworkChannel:
         self.parallel = backend == "qarl_gloo"  # nccl: one stream, one group at a time
         self.groups: dict[int, Any] = {}
         self.init_info: dict = {}
-        self.device = torch.cuda.current_device() if backend == "nccl" else None
+        # nccl: the trainer's end of every group, on the GPU this process uses
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
 
     def init(self, server: Any, init_info: dict) -> None:
         self.init_info = init_info
@@ -137,8 +138,8 @@ class NetworkChannel:
             return
         torch.cuda.set_device(self.device)
         stream = torch.cuda.current_stream()
-        for t in tensors:
-            group.broadcast(t.to("cuda", non_blocking=True), src=0, stream=stream)
+        for t in tensors:  # the worker allocates each (shape, dtype) and receives it in this order
+            group.broadcast(t.to(self.device), src=0, stream=stream)
         stream.synchronize()
 
     def _with_request(self, server: Any, path: str, body: dict, collective):

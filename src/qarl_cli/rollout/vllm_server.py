@@ -61,15 +61,15 @@ class ServerEngine:
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
         self.key = cfg.api_key or os.environ.get(KEY_ENV) or secrets.token_urlsafe(24)
         try:
+            # What the servers serve: the source, or its low-bit checkpoint (`qarl quantize`). Attached servers
+            # load their own copy; this one is what the sync reads the tensors a push sends (and their digests) from.
+            served = self._served_checkpoint()
             if cfg.urls:
-                served = self.source
                 self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
             else:
-                served = self._served_checkpoint()
                 on_gpu = torch.cuda.is_available() and device != "cpu"
                 self.servers = [self._launch(i, served, dtype, seed, max_model_len, on_gpu)
                                 for i in range(cfg.num_servers)]
-            # What the servers load; the sync reads from it (and from `source`) which tensors a push may send.
             self.served, self.dtype = served, getattr(torch, dtype)
             start = time.perf_counter()
             with ThreadPoolExecutor(len(self.servers)) as pool:  # start-up in parallel
