@@ -95,6 +95,18 @@ def test_another_address_needs_a_key():
     assert VLLMServerRolloutConfig(host="0.0.0.0", api_key="s3cret").api_key == "s3cret"
 
 
+def test_a_server_on_another_transfer_backend_is_one_clear_error(int8_pair):
+    """A server started with qarl_shm (as an attached one may be) asked to join a qarl_gloo group: one line
+    naming the option, the server and the flag it needs; the server keeps serving."""
+    from qarl_cli.config.errors import UserError
+    from qarl_cli.rollout.channels import NetworkChannel
+
+    with pytest.raises(UserError, match=r"transfer_backend=qarl_gloo: server 0 .* refused the transfer group .*"
+                                        r"weight-transfer-config '\{\"backend\":\"qarl_gloo\"\}'"):
+        NetworkChannel("qarl_gloo", "127.0.0.1", 5.0).init(int8_pair.servers[0], {})
+    assert len(int8_pair.generate(PROMPTS[:1], 1, 0.0, 1.0, 4, seed=0)) == 1
+
+
 def test_generate_over_http_shapes_and_logprobs(int8_pair):
     batch = int8_pair.generate(PROMPTS[:4], 3, 1.0, 1.0, 8, seed=5)
     assert batch.prompt_index == [i for i in range(4) for _ in range(3)]

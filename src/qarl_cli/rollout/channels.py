@@ -109,8 +109,17 @@ class NetworkChannel:
             def join():
                 torch.cuda.set_device(self.device)
                 return trainer_init({"master_address": self.host, "master_port": port, "world_size": world})
-        self.groups[server.index] = self._with_request(server, "/init_weight_transfer_engine",
-                                                       {"init_info": info}, join)
+        try:
+            self.groups[server.index] = self._with_request(server, "/init_weight_transfer_engine",
+                                                           {"init_info": info}, join)
+        except RuntimeError as e:
+            if "init_weight_transfer_engine answered" not in str(e):
+                raise
+            from qarl_cli.config.errors import UserError
+
+            raise UserError(f"rollout.transfer_backend={self.backend}: server {server.index} ({server.url}) refused "
+                            f"the transfer group ({str(e).splitlines()[0]}); a server qarl did not start needs "
+                            f"--weight-transfer-config '{{\"backend\":\"{self.backend}\"}}'") from None
 
     def send(self, server: Any, paths: list[Path], version: str) -> None:
         from safetensors.torch import load_file

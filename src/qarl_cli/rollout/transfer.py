@@ -3,15 +3,16 @@
 One push: the trainer's checkpoint-format tensors are checked one by one (names, shapes, dtypes, finite values
 against what the servers serve) and written as buckets of at most `bucket_bytes` (safetensors files in host
 shared memory), so the sender holds one bucket at a time, never the model. Only when every bucket is written
-does any server hear of it; then each server, in parallel:
+does any server hear of it; then each server, in parallel (nccl: one after another):
 
     /pause?mode=wait -> /start_weight_update -> /update_weights (one call per bucket)
     -> /finish_weight_update {weight_version} -> /resume
 
 When the sync's verify is due, every server's `/weight_checker` checksums are then compared with the digests of
 the sent tensors it keeps as sent (rollout.checksums); a server holding anything else counts as failed.
-A server that fails any of these is restarted, and every server is put back on the previous version (its buckets
-are kept until the next push succeeds; before the first push, the start-up checkpoint): never half-updated.
+If any server fails any of these, every server is put back on the previous version (its buckets, kept until the
+next push succeeds, are sent again; a server that cannot take them is restarted, which before the first push is
+the start-up checkpoint): never half-updated.
 With `qarl_shm` the servers read the files (one node); with `qarl_gloo` or `nccl` their tensors are broadcast to
 each server's workers (any node), and the files stay on the trainer's node as what a rollback resends."""
 

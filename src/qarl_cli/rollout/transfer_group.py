@@ -44,11 +44,16 @@ def open_group(store: Any, host: str, rank: int, world_size: int, timeout_s: flo
     """Join the gloo group whose store is `store` (on `host`); blocks until all `world_size` ranks have."""
     import torch.distributed as dist
 
-    port = store.port
+    prefixed = dist.PrefixStore(PREFIX, store)
+    if not hasattr(dist.ProcessGroupGloo, "_Options"):  # the public constructor: the hostname's address
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout_s))
+    # gloo's default device is the address this host's name resolves to, which on a node with several networks
+    # (or a hostname mapped to 127.0.1.1) is not always the one the trainer can reach: bind the one on the route
+    # to the store instead (the options object is how torch's own init picks a device).
     options = dist.ProcessGroupGloo._Options()
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, port))]
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address(host, store.port))]
     options._timeout = timedelta(seconds=timeout_s)
-    return dist.ProcessGroupGloo(dist.PrefixStore(PREFIX, store), rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
 def broadcast(group: Any, tensor: torch.Tensor) -> None:
