@@ -126,3 +126,9 @@ def test_bad_input_fails_in_one_line(capsys, args, names):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     for name in names:
         assert name in err, (name, err)
+
+
+def test_serve_runs_a_vllm_server_only(capsys):
+    assert main(["serve", "rollout=vllm", "--cfg", "job"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rollout='vllm'" in err and "rollout=vllm_server" in err, err

