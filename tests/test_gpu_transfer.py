@@ -27,36 +27,28 @@ def _setup(tmp_path, quant, **kw):
     return engine, _trainer(src, quant), _sync(src, quant)
 
 
-def _push_twice(engine, trainer, sync) -> list[dict]:
+def _pushes_verified(engine, trainer, sync, label: str) -> None:
+    """Two pushes of perturbed weights, each verified by the probe (sync.verify_every=1); then both closed."""
     from test_rollout_server import _perturb
 
-    out = []
-    for seed in (1, 2):
-        _perturb(trainer, seed)
-        out.append(sync.push(trainer, engine))
-    return out
-
-
-def test_gloo_into_a_gpu_server(tmp_path):
-    engine, trainer, sync = _setup(tmp_path, Int8Config(), transfer_backend="qarl_gloo")
     try:
-        for m in _push_twice(engine, trainer, sync):
-            print(f"qarl_gloo -> GPU server: time/sync {m['time/sync']:.3f} s, gap {m['sync/verify_gap_mean']:.2e}")
+        for seed in (1, 2):
+            _perturb(trainer, seed)
+            m = sync.push(trainer, engine)
+            print(f"{label}: time/sync {m['time/sync']:.3f} s, gap {m['sync/verify_gap_mean']:.2e}")
             assert m["sync/verify_gap_mean"] < InplaceSyncConfig.verify_tolerance
     finally:
         sync.close()
         engine.close()
+
+
+def test_gloo_into_a_gpu_server(tmp_path):
+    _pushes_verified(*_setup(tmp_path, Int8Config(), transfer_backend="qarl_gloo"), "qarl_gloo -> GPU server")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2,
                     reason="nccl needs the trainer and the server on different GPUs; this machine has fewer than 2")
 def test_nccl_into_a_server_on_another_gpu(tmp_path):
     torch.cuda.set_device(0)  # the trainer's end of the group; the server gets GPU 1
-    engine, trainer, sync = _setup(tmp_path, NoQuantConfig(), transfer_backend="nccl", devices=["1"])
-    try:
-        for m in _push_twice(engine, trainer, sync):
-            print(f"nccl -> server on GPU 1: time/sync {m['time/sync']:.3f} s, gap {m['sync/verify_gap_mean']:.2e}")
-            assert m["sync/verify_gap_mean"] < InplaceSyncConfig.verify_tolerance
-    finally:
-        sync.close()
-        engine.close()
+    _pushes_verified(*_setup(tmp_path, NoQuantConfig(), transfer_backend="nccl", devices=["1"]),
+                     "nccl -> server on GPU 1")
