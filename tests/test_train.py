@@ -504,7 +504,8 @@ def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE, mod, attr, str(at), "train", *SMALL,
                            f"hydra.run.dir={run}", "steps=5", "eval_every=0", "sync.verify_every=1"],
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONSAFEPATH": "1"})
+                          env={**os.environ, "PYTHONSAFEPATH": "1"},
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as a background job
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     stopped = [ln for ln in proc.stderr.splitlines() if " at step " in ln]
@@ -517,14 +518,17 @@ def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_mid_run_stops_in_one_line_keeps_the_step_and_leaves_no_process(tmp_path, sig):
     """Ctrl-C (SIGINT) or SIGTERM during a real run with the in-process vLLM engine: one line on stderr (no
-    traceback from inside vLLM), the trained step checkpointed, and no process of the run left behind."""
+    traceback from inside vLLM), the trained step checkpointed, and no process of the run left behind. The run
+    starts with SIGINT ignored, as a non-interactive shell starts a background job (`qarl train ... &`, a CI
+    script): before qarl armed SIGINT itself, such a run ignored Ctrl-C and went on to its last step."""
     import uuid
 
     tag = uuid.uuid4().hex
     run = tmp_path / "run"
     proc = subprocess.Popen([*QARL, *SMALL, f"hydra.run.dir={run}", "steps=200", "eval_every=0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "QARL_TEST_TAG": tag})
+                            env={**os.environ, "QARL_TEST_TAG": tag},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     for line in proc.stdout:
         if "step 1/200" in line:
             break

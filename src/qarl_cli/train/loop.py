@@ -114,6 +114,9 @@ class _Tracker:
 
     @contextmanager
     def stage(self, name: str):
+        from qarl_cli import signals
+
+        signals.check()  # a Ctrl-C whose exception a library swallowed still stops the run here
         self.current, start = name, time.perf_counter()
         yield
         self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
