@@ -118,6 +118,11 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["betas=[0.9]"], ["betas", "[0.9]", "[beta1, beta2]"]),
     (["train_threads=-1"], ["train_threads", "-1"]),
     (["algorithm.name=ppo"], ["algorithm.name='ppo'", "algorithm=OPTION", "tbpo"]),  # the name is the option's
+    # a key no schema declares, added with +, would be dropped without a word: refused, the closest key suggested
+    (["+foo=1"], ["+foo=1: 'foo' is not a setting of qarl train"]),
+    (["+rollout.bogus=2"], ["+rollout.bogus=2: 'rollout.bogus' is not a setting of rollout=vllm"]),
+    (["+train_threadz=2"], ["'train_threadz' is not a setting of qarl train (did you mean train_threads?)"]),
+    (["rollout=vllm_server", "++base_port=9000"], ["'base_port'", "did you mean rollout.base_port?"]),
 ])
 def test_bad_input_fails_in_one_line(capsys, args, names):
     cfg_job = [] if "steps=1" in args else ["--cfg", "job"]
@@ -126,6 +131,15 @@ def test_bad_input_fails_in_one_line(capsys, args, names):
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     for name in names:
         assert name in err, (name, err)
+
+
+def test_presets_and_free_form_mappings_are_not_undeclared_keys(capsys):
+    """+experiment=NAME selects a config group (nothing of its name stays in the config); a Dict field such as
+    data.chat_template_kwargs takes any key."""
+    assert main(["train", "+experiment=tiny_cot", "--cfg", "job"]) == 0
+    assert main(["train", "+data.chat_template_kwargs.enable_thinking=false", "--cfg", "job"]) == 0
+    assert main(["eval", "+lmit=3", "--cfg", "job"]) == 2
+    assert capsys.readouterr().err.strip().endswith("'lmit' is not a setting of qarl eval (did you mean limit?)")
 
 
 def test_serve_runs_a_vllm_server_only(capsys):

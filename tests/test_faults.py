@@ -142,7 +142,8 @@ def test_a_checkpoint_with_nonfinite_weights_is_refused_by_every_command(tiny, t
     ckpt.mkdir(parents=True)
     shutil.copytree(tmp_path / "diverged", ckpt / "model")
     torch.save({"step": 1}, ckpt / "trainer.pt")
-    assert main([*train, f"model.path={tiny}", f"resume={ckpt}"]) == 1
+    resume = [f if f != "steps=1" else "steps=2" for f in train]  # a step left to train after checkpoint 1
+    assert main([*resume, f"model.path={tiny}", f"resume={ckpt}"]) == 1
     assert f"{ckpt / 'model'}: 2 of {total} weight tensors hold NaN or inf" in _error_line(capsys)
 
 

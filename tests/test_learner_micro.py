@@ -85,8 +85,10 @@ def test_on_policy_pass_fills_pi_old_micro_batch_by_micro_batch(src):
 
 
 def test_micro_batch_size_is_validated():
+    from qarl_cli.config.domains import check_domains  # ranges are the schema's DOMAINS, checked by validate
+
     with pytest.raises(ConfigError, match="^micro_batch_size=-1"):
-        TrainConfig(micro_batch_size=-1)
+        check_domains(TrainConfig(micro_batch_size=-1))
 
 
 @pytest.mark.parametrize("n,world,chunk", [(9, 2, 5), (9, 2, 4), (9, 2, 2), (3, 4, 2), (8, 2, 3), (1, 3, 1)])

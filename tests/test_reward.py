@@ -251,5 +251,7 @@ def test_config_defaults_and_registry():
     ("kill_grace_s", -1.0), ("worker_memory_mb", 100), ("float_rounding", 0),
 ])
 def test_config_rejects(field, value):
+    from qarl_cli.config.domains import check_domains  # ranges are the schema's DOMAINS, checked by validate
+
     with pytest.raises(ConfigError, match=f"^{field}="):
-        MathVerifyRewardConfig(**{field: value})
+        check_domains(MathVerifyRewardConfig(**{field: value}))

@@ -4,7 +4,6 @@ facts (the model card: 134.5M parameters, a 49,152-token vocabulary, tied embedd
 greedy generation in transformers, and which model.path each model option accepts."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -83,7 +82,9 @@ def test_a_model_option_takes_only_its_own_checkpoints(smollm2, tmp_path, capsys
                    f"model.path={smollm2}")
     plain = tmp_path / "plain"
     plain.mkdir()
-    shutil.copy(smollm2 / "config.json", plain / "config.json")
+    for file in smollm2.iterdir():  # the same checkpoint without the marker (a directory a run can read)
+        if file.name != BUILD_MARKER:
+            (plain / file.name).symlink_to(file)
     with pytest.raises(ConfigError, match=f"it has no {BUILD_MARKER}.*use model=hf model.path="):
         model_dir(TinyModelConfig(path=str(plain)))
     # Its own build, or a checkpoint trained from it (which carries the marker along), and model=hf with any.

@@ -73,8 +73,10 @@ def test_heldout_split_is_test_class_and_disjoint_from_the_test_split():
     ("warm_start_check_size", 0, "warm_start_check_size=0: must be >= 1"),
 ])
 def test_config_rejects(field, value, message):
+    from qarl_cli.config.domains import check_domains  # ranges are the schema's DOMAINS, checked by validate
+
     with pytest.raises(ConfigError) as err:
-        TinyModelConfig(**{field: value})
+        check_domains(TinyModelConfig(**{field: value}))
     assert str(err.value).startswith(message)
 
 

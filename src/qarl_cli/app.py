@@ -74,7 +74,7 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False) ->
                 cfg = compose(config_name=command, overrides=variant, return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as e:
                 raise ConfigError(_compose_error(e)) from None
-            validate(cfg, command, allow_missing)
+            validate(cfg, command, allow_missing, variant)
         run_dir = Path(str(cfg.hydra.run.dir))
     GlobalHydra.instance().clear()
     if (run_dir / ".hydra" / "config.yaml").is_file():
@@ -104,7 +104,7 @@ def _run_hydra(command: str, args: list[str]) -> int:
     @hydra.main(version_base=None, config_path=str(conf_dir()), config_name=command)
     def job(cfg: Any) -> None:
         try:
-            typed = validate(cfg, command)
+            typed = validate(cfg, command, overrides=list(HydraConfig.get().overrides.task))
         except ConfigError as e:
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             raise SystemExit(EXIT_USAGE) from None

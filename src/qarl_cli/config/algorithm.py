@@ -10,7 +10,7 @@ from typing import ClassVar
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import ANY, between, ge, require
 
 # What corrects for the rollout engine's logprobs (mu) differing from the aligned trainer's (pi_old):
 # nothing, a per-token weight (truncated importance sampling), or one weight per sequence (TBPO's).
@@ -48,18 +48,16 @@ class AlgorithmConfig:
     # loss -= entropy_coef * H, H the policy's next-token entropy aggregated like the loss: > 0 is an exploration
     # bonus, < 0 sharpens the policy (KL-free sharpening: it moves sampled accuracy toward greedy accuracy).
     entropy_coef: float = 0.0
+    # Keys are relative to the group: the registry's validate() prefixes "algorithm.".
+    DOMAINS: ClassVar[dict] = {
+        **{key: between(0, 1, "the band's lower end 1 - eps is a ratio > 0", hi_open=True)
+           for key in ("eps_low", "eps_neg_low")},
+        **{key: ge(0, "the band's upper end is 1 + eps") for key in ("eps_high", "eps_neg_high")},
+        "mismatch_cap": ge(1, "a cap below 1 down-weights every sample, and the drop band is [1/cap, cap]"),
+        "entropy_coef": ANY}
 
     def __post_init__(self) -> None:
-        # Keys are relative to the group: the registry's validate() prefixes "algorithm.".
-        for key in ("eps_low", "eps_neg_low"):
-            value = getattr(self, key)
-            require(0 <= value < 1, key, value, "must be in [0, 1): the band's lower end 1 - eps is a ratio > 0")
-        for key in ("eps_high", "eps_neg_high"):
-            value = getattr(self, key)
-            require(value >= 0, key, value, "must be >= 0: the band's upper end is 1 + eps")
         require(self.mismatch in MISMATCH_MODES, "mismatch", self.mismatch, f"must be one of {MISMATCH_MODES}")
-        require(self.mismatch_cap >= 1, "mismatch_cap", self.mismatch_cap,
-                "must be >= 1: a cap below 1 down-weights every sample, and the drop band is [1/cap, cap]")
         require(not self.drop_outside_band or self.mismatch != "none", "drop_outside_band", self.drop_outside_band,
                 "needs mismatch 'tis' or 'seq': which ratio to test against the band")
         require(self.loss_agg in LOSS_AGGS, "loss_agg", self.loss_agg, f"must be one of {LOSS_AGGS}")

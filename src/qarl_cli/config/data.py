@@ -5,7 +5,7 @@ from typing import Any, ClassVar, Dict, List, Optional
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import ge, require
 
 BOX_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -29,10 +29,8 @@ class DataConfig:
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
     # How long a response may run (the run's max_new_tokens unless set there): room for a worked solution.
     max_new_tokens: int = 1024
-
-    def __post_init__(self) -> None:
-        require(self.test_size >= 0, "test_size", self.test_size, "must be >= 0")
-        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
+    DOMAINS: ClassVar[dict] = {"test_size": ge(1, "the test split is evaluated, and used at start-up"),
+                               "max_new_tokens": ge(1)}
 
 
 @dataclass
@@ -44,7 +42,6 @@ class FileDataConfig(DataConfig):
     path: Optional[str] = MISSING  # required
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require(bool(self.path), "path", self.path, f"data={self.name} needs data.path=FILE (jsonl or parquet)")
 
 
@@ -66,7 +63,6 @@ class ArithDataConfig(DataConfig):
     question: str = "{expr}"
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require(len(self.levels) > 0 and all(lv in (0, 1, 2, 3) for lv in self.levels), "levels", self.levels,
                 "must be a non-empty list drawn from 0, 1, 2, 3")
         _check_question(self.question)
@@ -97,7 +93,6 @@ class ArithCotDataConfig(DataConfig):
     question: str = "{expr}"  # as data=arith's: {expr} or {spaced}
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         require(len(self.ops) > 0 and all(1 <= n <= 8 for n in self.ops), "ops", self.ops,
                 "must be a non-empty list of operation counts from 1 to 8")
         _check_question(self.question)
@@ -116,7 +111,7 @@ class PackagedDataConfig(FileDataConfig):
     packaged: ClassVar[tuple] = ()
 
     def __post_init__(self) -> None:
-        DataConfig.__post_init__(self)  # data.path is optional here
+        pass  # data.path is optional here: FileDataConfig's check does not apply
 
 
 @dataclass

@@ -5,7 +5,7 @@ from typing import ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import ANY, between, ge, gt, require
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -83,6 +83,14 @@ class TinyModelConfig(ModelConfig):
     warm_start_max_steps: int = 1600
     warm_start_check_size: int = 500
     build_seed: int = 1234  # seed of init and warm start; part of the cache key
+    DOMAINS: ClassVar[dict] = {
+        **{key: ge(1) for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                                  "intermediate_size", "max_position_embeddings", "num_experts_per_tok",
+                                  "moe_intermediate_size", "warm_start_batch", "warm_start_chunk_steps",
+                                  "warm_start_check_size")},
+        "num_experts": ge(0, "0: a dense Qwen3"), "warm_start_steps": ge(0, "0: the random init"),
+        "warm_start_max_steps": ge(0), "warm_start_lr": gt(0),
+        "warm_start_final_lr": between(0, 1, "a fraction of warm_start_lr"), "build_seed": ANY}
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,16 +98,11 @@ class TinyModelConfig(ModelConfig):
                 f"must equal num_heads * head_dim = {self.num_heads * self.head_dim}")
         require(self.num_heads % self.num_kv_heads == 0, "num_kv_heads", self.num_kv_heads,
                 f"must divide num_heads={self.num_heads}")
-        require(self.warm_start_steps >= 0, "warm_start_steps", self.warm_start_steps, "must be >= 0")
-        require(0 <= self.warm_start_final_lr <= 1, "warm_start_final_lr", self.warm_start_final_lr,
-                "must be in [0, 1]: a fraction of warm_start_lr")
         band = list(self.warm_start_target_band)
         require(len(band) == 2 and 0 <= band[0] <= band[1] <= 1, "warm_start_target_band", band,
                 "must be [low, high] with 0 <= low <= high <= 1")
-        require(self.warm_start_chunk_steps >= 1, "warm_start_chunk_steps", self.warm_start_chunk_steps, "must be >= 1")
         require(self.warm_start_max_steps >= self.warm_start_steps, "warm_start_max_steps", self.warm_start_max_steps,
                 f"must be >= warm_start_steps={self.warm_start_steps}")
-        require(self.warm_start_check_size >= 1, "warm_start_check_size", self.warm_start_check_size, "must be >= 1")
         require(self.num_experts == 0 or self.num_experts >= self.num_experts_per_tok, "num_experts",
                 self.num_experts, f"must be 0 (dense) or >= num_experts_per_tok={self.num_experts_per_tok}")
 

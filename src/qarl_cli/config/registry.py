@@ -15,7 +15,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
@@ -102,13 +102,19 @@ def register() -> None:
         OmegaConf.register_new_resolver("qarl_run_id", run_id)
 
 
-def validate(cfg: DictConfig, command: str, allow_missing: bool = False) -> Any:
+def validate(cfg: DictConfig, command: str, allow_missing: bool = False, overrides: Sequence[str] = ()) -> Any:
     """The composed config as typed dataclasses (validators run), or ConfigError naming the bad key.
-    allow_missing: accept required values left unset (`--cfg job` may print an incomplete config)."""
+    allow_missing: accept required values left unset (`--cfg job` may print an incomplete config).
+    overrides: the command line's, to name the one that added a key no schema declares."""
     if "hydra" in cfg:  # composed with Hydra's own config: validate the job's part (a copy keeps the schema type)
         cfg = copy.deepcopy(cfg)
         with open_dict(cfg):
             del cfg["hydra"]
+    from qarl_cli.config.declared import check_declared
+    from qarl_cli.config.domains import check_domains
+
+    check_declared(cfg, command, overrides)  # a `+key=...` no schema has would be dropped without a word
+    check_domains(cfg)  # every number in its field's domain, before the validators relate fields to each other
     for group in GROUPS:
         if group in cfg:
             _check_name(group, _to_object(cfg, group, allow_missing))

@@ -5,7 +5,7 @@ Imported by `qarl --help`: keep it free of heavy imports (no torch, no math-veri
 from dataclasses import dataclass
 from typing import ClassVar
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import ANY, between, ge, gt, require
 
 
 @dataclass
@@ -43,17 +43,14 @@ class MathVerifyRewardConfig:
     require_evaluated: bool = True
     # Decimal places math-verify rounds floats to before comparing (at 6, 0.333333 equals 1/3 but 0.333 does not).
     float_rounding: int = 6
+    DOMAINS: ClassVar[dict] = {
+        "correct_reward": ANY, "wrong_reward": ANY, "format_penalty": ge(0, "0 disables it"), "num_workers": ge(1),
+        "timeout_s": gt(0, "seconds"), "kill_grace_s": gt(0, "seconds"),
+        "worker_memory_mb": ge(256, "0: unlimited", zero=True), "float_rounding": between(1, 15)}
 
     def __post_init__(self) -> None:
         require(self.correct_reward > self.wrong_reward, "correct_reward", self.correct_reward,
                 f"must be greater than wrong_reward={self.wrong_reward}")
-        require(self.format_penalty >= 0, "format_penalty", self.format_penalty, "must be >= 0 (0 disables it)")
-        require(self.num_workers >= 1, "num_workers", self.num_workers, "must be >= 1")
-        require(self.timeout_s > 0, "timeout_s", self.timeout_s, "must be > 0 seconds")
-        require(self.kill_grace_s > 0, "kill_grace_s", self.kill_grace_s, "must be > 0 seconds")
-        require(self.worker_memory_mb == 0 or self.worker_memory_mb >= 256, "worker_memory_mb",
-                self.worker_memory_mb, "must be 0 (unlimited) or >= 256")
-        require(1 <= self.float_rounding <= 15, "float_rounding", self.float_rounding, "must be in 1..15")
 
 
 SCHEMAS = {"math_verify": MathVerifyRewardConfig}

@@ -2,11 +2,11 @@
 Group nodes are typed by their own schemas (see `qarl_cli.config.GROUPS`); here they are only slots."""
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, ClassVar, List, Optional
 
 from omegaconf import II, MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import ANY, between, ge, gt, require
 
 LR_SCHEDULES = ("cosine", "constant")
 OPTIMIZERS = ("adamw", "sgd", "muon")
@@ -18,6 +18,7 @@ class _Common:
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
     model: Any = MISSING
+    DOMAINS: ClassVar[dict] = {"seed": ANY}
 
     def __post_init__(self) -> None:
         require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")
@@ -30,12 +31,8 @@ class _Sampling:
     max_new_tokens: int = II("data.max_new_tokens")
     temperature: float = 1.0
     top_p: float = 1.0
-
-    def _check_sampling(self) -> None:
-        if not isinstance(self.max_new_tokens, str):  # "${data.max_new_tokens}" until Hydra resolves it
-            require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "must be >= 1")
-        require(self.temperature >= 0, "temperature", self.temperature, "must be >= 0 (0 is greedy)")
-        require(0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+    DOMAINS: ClassVar[dict] = {"max_new_tokens": ge(1), "temperature": ge(0, "0 is greedy"),
+                               "top_p": between(0, 1, lo_open=True)}
 
 
 @dataclass
@@ -79,6 +76,13 @@ class TrainConfig(_Common, _Sampling):
     # A run without resume refuses a run directory that already holds a run; true replaces that run's results.
     overwrite: bool = False
     dry_run: bool = False  # build every stage, run one tiny step, write nothing heavy
+    DOMAINS: ClassVar[dict] = {
+        "steps": ge(1), "prompts_per_step": ge(1), "minibatches": ge(1), "epochs_per_step": ge(1),
+        "samples_per_prompt": ge(2, "advantages compare the samples of a prompt with each other, one sample has none"),
+        "micro_batch_size": ge(0, "0: the whole minibatch in one forward"), "lr": gt(0), "warmup_steps": ge(0),
+        "weight_decay": ge(0, "0: no decay"), "grad_clip": ge(0, "0: no clipping"),
+        "train_threads": ge(0, "0: leave torch's setting"), "eval_every": ge(0, "0: never"), "eval_samples": ge(1),
+        "checkpoint_every": ge(0, "0: only at the end")}
     data: Any = MISSING
     quant: Any = MISSING
     rollout: Any = MISSING
@@ -90,20 +94,8 @@ class TrainConfig(_Common, _Sampling):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._check_sampling()
-        for key in ("steps", "prompts_per_step", "minibatches", "epochs_per_step", "eval_samples"):
-            require(getattr(self, key) >= 1, key, getattr(self, key), "must be >= 1")
-        require(self.samples_per_prompt >= 2, "samples_per_prompt", self.samples_per_prompt,
-                "must be >= 2: advantages compare the samples of a prompt with each other, one sample has none")
-        for key in ("eval_every", "checkpoint_every", "warmup_steps"):
-            require(getattr(self, key) >= 0, key, getattr(self, key), "must be >= 0 (0: never)"
-                    if key != "warmup_steps" else "must be >= 0")
-        require(self.lr > 0, "lr", self.lr, "must be > 0")
         require(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas), "betas", list(self.betas),
                 "must be two values in [0, 1): [beta1, beta2]")
-        require(self.micro_batch_size >= 0, "micro_batch_size", self.micro_batch_size,
-                "must be >= 0 (0: the whole minibatch in one forward)")
-        require(self.train_threads >= 0, "train_threads", self.train_threads, "must be >= 0 (0: leave torch's setting)")
         require(self.optimizer in OPTIMIZERS, "optimizer", self.optimizer, f"must be one of {', '.join(OPTIMIZERS)}")
         require(self.lr_schedule in LR_SCHEDULES, "lr_schedule", self.lr_schedule,
                 f"must be one of {', '.join(LR_SCHEDULES)}")
@@ -130,11 +122,7 @@ class EvalConfig(_Common, _Sampling):
     quant: Any = MISSING
     rollout: Any = MISSING
     reward: Any = MISSING
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._check_sampling()
-        require(self.samples >= 1, "samples", self.samples, "must be >= 1")
+    DOMAINS: ClassVar[dict] = {"samples": ge(1), "limit": ge(1, "null: every test problem")}
 
 
 @dataclass

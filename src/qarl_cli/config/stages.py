@@ -5,7 +5,7 @@ from typing import ClassVar, Optional
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import require
+from qarl_cli.config.errors import between, ge, gt, require
 
 
 # ---- rollout: the engine that samples responses -------------------------------------------------------------
@@ -17,9 +17,7 @@ class RolloutConfig:
     # batch comes from weights up to k updates old (corrected by the objective's rollout/old ratio). 0: the
     # synchronous loop (resume is exact only there). Under torchrun rank 0 generates and broadcasts each batch.
     max_staleness: int = 0
-
-    def __post_init__(self) -> None:
-        require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+    DOMAINS: ClassVar[dict] = {"max_staleness": ge(0, "0: the synchronous loop")}
 
 
 @dataclass
@@ -38,13 +36,10 @@ class VLLMRolloutConfig(RolloutConfig):
     # at 96-97 % of plain compiled vLLM's tokens/s, in-place weight syncs verified in that mode.
     enforce_eager: bool = True
     sleep_between_steps: bool = False  # colocated with the trainer: free engine memory during the update
+    DOMAINS: ClassVar[dict] = {"tensor_parallel_size": ge(1), "gpu_memory_utilization": between(0, 1, lo_open=True),
+                               "kv_cache_memory_bytes": gt(0), "max_model_len": ge(1, "null: the run's lengths")}
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, "must be >= 1")
-        require(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", self.gpu_memory_utilization,
-                "must be in (0, 1]")
-        require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be > 0")
         require(not (self.sleep_between_steps and self.max_staleness), "sleep_between_steps", self.sleep_between_steps,
                 f"cannot be true with max_staleness={self.max_staleness}: the engine generates the next batch "
                 "while the trainer updates, so it cannot sleep then")
@@ -57,10 +52,7 @@ class TorchRolloutConfig(RolloutConfig):
     name: str = "torch"
     impl: ClassVar[str] = "qarl_cli.rollout.torch_engine:TorchEngine"
     batch_size: int = 256  # sequences decoded together
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "must be >= 1")
+    DOMAINS: ClassVar[dict] = {"batch_size": ge(1)}
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -104,23 +96,24 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
     transfer_host: str = "127.0.0.1"
     # qarl_gloo: a broadcast waiting longer than this fails (the push is rolled back) instead of hanging
     transfer_timeout_s: float = 120.0
+    DOMAINS: ClassVar[dict] = {
+        "num_servers": ge(1), "base_port": between(0, 65535, "0: free ports chosen at start"),
+        "max_concurrency": ge(1), "startup_timeout_s": gt(0, "seconds"), "request_timeout_s": gt(0, "seconds"),
+        "max_restarts": ge(0, "0: a server that dies is not restarted"), "transfer_timeout_s": gt(0, "seconds")}
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        require(self.num_servers >= 1, "num_servers", self.num_servers, "must be >= 1")
+        require(not self.base_port or self.base_port + self.num_servers - 1 <= 65535, "base_port", self.base_port,
+                f"leaves no port for server {self.num_servers - 1} (base_port + i): at most {65536 - self.num_servers}")
         require(not self.devices or len(self.devices) == self.num_servers, "devices", list(self.devices),
                 f"needs one entry per server (num_servers={self.num_servers})")
         require(self.host in LOOPBACK_HOSTS or bool(self.api_key), "host", self.host,
                 "is not a loopback address: set rollout.api_key, which every request must then carry")
-        require(self.max_concurrency >= 1, "max_concurrency", self.max_concurrency, "must be >= 1")
-        require(self.startup_timeout_s > 0, "startup_timeout_s", self.startup_timeout_s, "must be > 0")
-        require(self.max_restarts >= 0, "max_restarts", self.max_restarts, "must be >= 0")
         require(self.transfer_backend in TRANSFER_BACKENDS, "transfer_backend", self.transfer_backend,
                 f"must be one of {', '.join(TRANSFER_BACKENDS)}")
         require(self.transfer_host in LOOPBACK_HOSTS or bool(self.api_key), "transfer_host", self.transfer_host,
                 "is not a loopback address: set rollout.api_key (the transfer groups' secrets travel over the "
                 "servers' keyed routes)")
-        require(self.transfer_timeout_s > 0, "transfer_timeout_s", self.transfer_timeout_s, "must be > 0")
         remote = [u for u in self.urls if _url_host(u) not in LOOPBACK_HOSTS] + [""]
         require(not (remote[0] and self.transfer_backend == "qarl_shm"), "transfer_backend", self.transfer_backend,
                 f"reaches only servers on this node (bucket files in its shared memory), and {remote[0]} may be on "
@@ -186,12 +179,10 @@ class InplaceSyncConfig(SyncConfig):
     # vLLM servers (rollout=vllm_server): weights travel in buckets of at most this many MiB, so the sender holds
     # one bucket at a time, not the model (one tensor larger than a bucket travels alone).
     bucket_mb: int = 256
+    DOMAINS: ClassVar[dict] = {"verify_every": ge(0, "0: never"), "verify_tolerance": gt(0), "bucket_mb": ge(1)}
 
     def __post_init__(self) -> None:
-        require(self.bucket_mb >= 1, "bucket_mb", self.bucket_mb, "must be >= 1")
         require(self.mode in SYNC_MODES, "mode", self.mode, f"must be one of {', '.join(SYNC_MODES)}")
-        require(self.verify_every >= 0, "verify_every", self.verify_every, "must be >= 0")
-        require(self.verify_tolerance > 0, "verify_tolerance", self.verify_tolerance, "must be > 0")
 
 
 SYNC_SCHEMAS = {"inplace": InplaceSyncConfig}
@@ -226,7 +217,8 @@ class WandbLoggerConfig(LoggerConfig):
     entity: Optional[str] = None
     # offline unless a key and a network exist; online fails fast without them.
     mode: str = "offline"
-    log_samples: int = 8  # completions per step in the samples table
+    log_samples: int = 8  # completions per step in the samples table; 0: no samples table
+    DOMAINS: ClassVar[dict] = {"log_samples": ge(0, "0: no samples table")}
 
     def __post_init__(self) -> None:
         require(self.mode in WANDB_MODES, "mode", self.mode, f"must be one of {', '.join(WANDB_MODES)}")

@@ -3,6 +3,7 @@ or the tensor: a truncated or damaged safetensors file (its header does not cove
 lists but that is missing, and weights holding NaN or inf (a diverged run's), which would otherwise be served,
 evaluated (to 0 %) or trained on without a word.
 
+    check_model_dir(path, what)     every file a run reads is there: config, tokenizer, weights (resolving it)
     load_model(path, dtype=...)     the Hugging Face model, its files and its weights checked (train, resume)
     check_checkpoint(path)          every tensor of every shard, streamed (eval)
     read_tensors(file)              one shard's tensors, one at a time, each checked (the quantize writer)
@@ -107,6 +108,46 @@ def check_files(path: Path) -> None:
     for file in weight_files(path):
         with open_safetensors(file):
             pass
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def check_model_dir(path: Path, what: str) -> Path:
+    """`path` unchanged, or ConfigError "{what}: ..." naming the directory and the first file a run would miss:
+    config.json (present, a JSON object), a tokenizer (one of TOKENIZER_FILES, readable JSON) and safetensors
+    weights (every shard complete). Checked when the directory is resolved, before any model or engine loads,
+    so a missing file is one line here rather than a loader's traceback later. `what`: the setting that named the
+    directory (`model.path=...`, `resume=...`)."""
+    import json
+
+    from qarl_cli.config.errors import ConfigError
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"{what}: {path} is not a directory (a Hugging Face checkpoint directory is expected)")
+
+    def read_json(name: str) -> Any:
+        try:
+            return json.loads((path / name).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"{what}: {path / name} cannot be read ({why}); copy or write it again") from None
+
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{what}: no config.json in {path} (not a Hugging Face checkpoint directory)")
+    if not isinstance(read_json("config.json"), dict):
+        raise ConfigError(f"{what}: {path / 'config.json'} is not a model config (a JSON object)")
+    present = [name for name in TOKENIZER_FILES if (path / name).is_file()]
+    if not present:
+        raise ConfigError(f"{what}: no tokenizer ({' or '.join(TOKENIZER_FILES)}) in {path}")
+    for name in present:
+        read_json(name)
+    if not weight_files(path):
+        raise ConfigError(f"{what}: no weights (model.safetensors, or model.safetensors.index.json and its "
+                          f"shards) in {path}")
+    check_files(path)  # the index's shards present and complete (headers only)
+    return path
 
 
 def check_checkpoint(path: Path) -> None:

@@ -17,23 +17,24 @@ LOCAL = "qarl_cli.models.resolve:local_checkpoint"  # the impl of options that t
 
 
 def model_dir(cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
-    """The Hugging Face checkpoint directory the run starts from."""
+    """The Hugging Face checkpoint directory the run starts from, with every file a run reads from it (config,
+    tokenizer, weights) checked to be there (models.integrity.check_model_dir)."""
     if cfg.path:
-        path = local_checkpoint(cfg, log)
-        if getattr(type(cfg), "impl", LOCAL) != LOCAL:  # an option that builds its own model
-            check_built_by(cfg, path)
-        return path
+        path = Path(os.path.expanduser(str(cfg.path)))
+        if getattr(type(cfg), "impl", LOCAL) != LOCAL and path.is_dir():  # an option that builds its own model
+            check_built_by(cfg, path)  # first: another model's checkpoint is model=hf's, whatever files it has
+        return local_checkpoint(cfg, log)
+    from qarl_cli.models.integrity import check_model_dir
     from qarl_cli.stages import resolve
 
-    return resolve("model", cfg.name)(cfg, log)
+    return check_model_dir(resolve("model", cfg.name)(cfg, log), f"model={cfg.name}")
 
 
 def local_checkpoint(cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
-    """model.path, checked to be a Hugging Face checkpoint directory."""
-    path = Path(os.path.expanduser(str(cfg.path)))
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"model.path={cfg.path!r}: not a Hugging Face checkpoint directory (no config.json)")
-    return path
+    """model.path, checked to be a Hugging Face checkpoint directory a run can read."""
+    from qarl_cli.models.integrity import check_model_dir
+
+    return check_model_dir(Path(os.path.expanduser(str(cfg.path))), f"model.path={cfg.path}")
 
 
 def check_built_by(cfg: ModelConfig, path: Path) -> None:

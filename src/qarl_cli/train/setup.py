@@ -69,7 +69,7 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
 
     from qarl_cli.data.prompts import check_lengths, encode
     from qarl_cli.data.splits import load_splits
-    from qarl_cli.models.integrity import load_model
+    from qarl_cli.models.integrity import check_model_dir, load_model
     from qarl_cli.models.resolve import model_dir
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.base import resolve_device
@@ -85,10 +85,12 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     dist = dist or Single()
     torch.manual_seed(cfg.seed)
     device = torch.device(resolve_device(cfg.device))
-    source = model_dir(cfg.model, log=log)
     ckpt = find_resume(cfg.resume, run_dir)
-    if ckpt:
+    if ckpt:  # before any model is built or loaded: a resume that cannot go on stops here, in one line
+        rundir.check_steps_left(ckpt, cfg.steps, cfg.dry_run)
         rundir.check_resume(ckpt, rundir.config_dict(cfg))
+        check_model_dir(ckpt / "model", f"resume={cfg.resume}")
+    source = model_dir(cfg.model, log=log)
     weights = ckpt / "model" if ckpt else source
     tokenizer = AutoTokenizer.from_pretrained(str(source))
     splits = load_splits(cfg.data, cfg.seed)

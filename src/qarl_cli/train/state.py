@@ -45,6 +45,19 @@ def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     return found
 
 
+def checkpoint_step(ckpt: Path) -> int:
+    """The step checkpoint `ckpt` was written at: from its directory's name (step_<N>, as checkpoint_dir names
+    it), else from its trainer.pt (memory-mapped: only the small step field is read)."""
+    name = ckpt.name
+    if name.startswith(PREFIX) and name[len(PREFIX):].isdigit():
+        return int(name[len(PREFIX):])
+    try:
+        return int(torch.load(ckpt / "trainer.pt", weights_only=False, mmap=True, map_location="cpu")["step"])
+    except Exception as e:  # noqa: BLE001 - any unreadable trainer state is the checkpoint's fault
+        raise ConfigError(f"resume={str(ckpt)!r}: {ckpt / 'trainer.pt'} cannot be read ({type(e).__name__}); "
+                          "resume from another checkpoint") from None
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source: Path, extra: dict) -> Path:
     """Write checkpoint `step` atomically; returns its directory. Distributed: every rank calls this (the full
     weights and optimizer state are gathered on rank 0, which writes them)."""
