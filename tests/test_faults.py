@@ -252,7 +252,7 @@ def test_publish_never_replaces_without_being_told(tmp_path):
 # ----------------------------------------------------------------------------------- data.test_size
 
 @pytest.mark.parametrize("test_size, message", [
-    (0, "data.test_size=0: the test split of data.path={f} is empty"),
+    (0, "data.test_size=0: must be >= 1"),  # refused by its domain, before the file is read
     (5, "data.test_size=5: data.path={f} has 5 problems, and holding out 5 for the test split leaves none"),
     (500, "data.test_size=500: data.path={f} has 5 problems, and holding out 5 for the test split leaves none"),
 ])

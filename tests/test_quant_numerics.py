@@ -162,3 +162,14 @@ def test_w4a16_scale_is_rounded_to_the_weight_dtype_first():
     s = packed["weight_scale"].float().repeat_interleave(128, -1)
     assert torch.equal(q, torch.round(w.float() / s).clamp(-8, 7))
     assert torch.equal(scheme.dequantize(packed, torch.bfloat16), (q * s).bfloat16())
+
+
+def test_a_group_size_that_does_not_divide_the_model_is_one_line_with_one_that_does():
+    """SmolLM2's linears are 576 wide: groups of 128 do not fit, 64 do (a config error, not a traceback)."""
+    from qarl_cli.config.errors import ConfigError
+
+    scheme = W4A16Scheme(W4A16Config(group_size=128), "cpu")
+    with pytest.raises(ConfigError, match=r"quant.group_size=128 does not divide .* \(576\).*use quant.group_size=64"):
+        scheme.quantize(torch.randn(32, 576))
+    assert W4A16Scheme(W4A16Config(group_size=64), "cpu").quantize(torch.randn(32, 576))["weight_scale"].shape == (32, 9)
+

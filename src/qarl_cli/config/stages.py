@@ -1,5 +1,6 @@
 """Schemas of the small stage groups: `rollout`, `forward`, `sync` and `logger`."""
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
@@ -105,6 +106,9 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
         super().__post_init__()
         require(not self.base_port or self.base_port + self.num_servers - 1 <= 65535, "base_port", self.base_port,
                 f"leaves no port for server {self.num_servers - 1} (base_port + i): at most {65536 - self.num_servers}")
+        bad = [d for d in self.devices if not re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", str(d))]
+        require(not bad, "devices", list(self.devices), f"{bad[0] if bad else ''!r} is not a list of device or core "
+                "numbers: one string per server such as \"0,1\" or \"0-3\"")
         require(not self.devices or len(self.devices) == self.num_servers, "devices", list(self.devices),
                 f"needs one entry per server (num_servers={self.num_servers})")
         require(self.host in LOOPBACK_HOSTS or bool(self.api_key), "host", self.host,

@@ -48,6 +48,15 @@ class W4A16Scheme(SchemeBase):
         self.group = cfg.group_size
 
     def quantize(self, w: torch.Tensor) -> Packed:
+        if w.shape[-1] % self.group:  # a user's choice meeting a model's shape: one line, not a traceback
+            from math import gcd
+
+            from qarl_cli.config.errors import ConfigError
+
+            fits = gcd(w.shape[-1], self.group)
+            raise ConfigError(f"quant.group_size={self.group} does not divide a linear's input dimension "
+                              f"({w.shape[-1]}) of this model" + (f": use quant.group_size={fits}" if fits % 8 == 0
+                                                                  else ""))
         return quantize_weight_ref(w, self.group)
 
     def dequantize(self, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
