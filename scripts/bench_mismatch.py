@@ -27,7 +27,7 @@ import argparse
 import json
 from pathlib import Path
 
-from _bench import arith_prompts, device, dtype_name, engine, markdown, vllm_serves
+from _bench import arith_prompts, device, dtype_name, engine, markdown, scheme_config, vllm_serves, w4a16_group
 
 KEYS = ("k3_kl", "abs_logp_diff_mean", "abs_logp_diff_max")
 POSITION_EDGES = (0, 8, 32, 64, 128, 10**9)  # response-position buckets of the per-position k3_kl
@@ -79,19 +79,11 @@ def prompts_of(model: str, src, n: int) -> list[list[int]]:
     return encode(AutoTokenizer.from_pretrained(str(src)), data, load_splits(data, 0, train=False).test[:n])
 
 
-GROUP_SIZE = {"value": 128}  # --group-size: SmolLM2's 576-wide inputs take W4A16 groups of 64, not 128
-
-
-def scheme_args(quant: str) -> dict:
-    return {"group_size": GROUP_SIZE["value"]} if quant == "w4a16" else {}
-
-
 def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int) -> dict:
     """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.mismatch import mismatch_metrics
     from qarl_cli.quant import build_scheme
@@ -100,7 +92,8 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
 
     quant, _, kernel = spec.partition(":")
     kind = "vllm" if vllm_serves(quant) else "torch"
-    served = engine(kind, src, quant, max_model_len=max(map(len, ids)) + max_tokens, **scheme_args(quant))
+    served = engine(kind, src, quant, max_model_len=max(map(len, ids)) + max_tokens,
+                    **({"group_size": w4a16_group(src)} if quant == "w4a16" else {}))
     try:
         batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
@@ -119,7 +112,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     for forward in ("bf16", "aligned"):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         if forward == "aligned":
-            qcfg = SCHEMAS[quant](**({"kernel": kernel} if kernel else {}), **scheme_args(quant))
+            qcfg = scheme_config(quant, src, **({"kernel": kernel} if kernel else {}))
             model = align(model, build_scheme(qcfg, device()))
         old = trainer_logprobs(model, seqs)
         per_seq[f"{forward} log_w"] = sequence_log_ratio(old, seqs.rollout_logprobs, seqs.mask).tolist()
@@ -178,9 +171,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="response length (default: the task's max_new_tokens for the tiny models, 160 for "
                          "smollm2_135m)")
-    ap.add_argument("--group-size", type=int, default=128, help="w4a16's group size (64 for smollm2_135m)")
     args = ap.parse_args()
-    GROUP_SIZE["value"] = args.group_size
     from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig
     from qarl_cli.config.model import SCHEMAS as MODELS
     from qarl_cli.models.resolve import model_dir
