@@ -97,6 +97,19 @@ def write_buckets(weights: Iterable[tuple[str, torch.Tensor]], spec, aliases, di
 _CHECKABLE: "weakref.WeakKeyDictionary[Any, frozenset[str]]" = weakref.WeakKeyDictionary()
 
 
+def engine_held(spec: dict, source: dict, served: dict, engine_dtype: torch.dtype) -> dict:
+    """The dtypes a push sends. A float tensor the engine serves as it is in the source checkpoint (norms,
+    embeddings, unquantized linears) is held in the dtype the engine runs in, not the one it was stored in:
+    SmolLM2's checkpoint is bf16 and its engine fp32, and its fp32 masters cast to bf16 left the engine 0.02
+    (mean |logprob|) from the trainer after every sync, on every scheme. The tensors a scheme writes (int8 weights
+    and their fp32 scales, packed int4, fp8) go as the served checkpoint stores them, and the masters that
+    sync.mode=online sends to be quantized keep their precision."""
+    def held(name: str, dtype: torch.dtype) -> bool:
+        kept = served.get(name, (None, torch.int8))[1]
+        return name in source and dtype.is_floating_point and kept.is_floating_point and kept.itemsize > 1
+    return {name: (shape, engine_dtype if held(name, dtype) else dtype) for name, (shape, dtype) in spec.items()}
+
+
 class RLApiTransfer:
     """sync=inplace for a vLLM engine (`weight_receivers()`: the servers of rollout=vllm_server, or the in-process
     engine of rollout=vllm)."""
@@ -110,7 +123,8 @@ class RLApiTransfer:
         self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
         # The tensors a push may send: the served (low-bit) checkpoint's, or for online the unquantized ones; a
         # tied model's checkpoint stores the embedding once, and the trainer sends it under both names.
-        self.spec = checkpoint_spec(engine.source if online else engine.served)
+        self.spec = engine_held(checkpoint_spec(engine.source if online else engine.served),
+                                checkpoint_spec(engine.source), checkpoint_spec(engine.served), engine.dtype)
         self.aliases = tied_aliases(load_meta_model(engine.source), self.spec)
         # The names a push can be checked on (rollout.checksums), measured on the first server as it started
         self.checked: frozenset[str] = frozenset()
