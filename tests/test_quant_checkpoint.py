@@ -41,13 +41,14 @@ def _meta(path):
     return load_meta_model(path)
 
 
-def _expected_layout(name, n, k, dtype):
-    """What vLLM's create_weights allocates per linear layer (see the module docstrings of the schemes)."""
+def _expected_layout(name, n, k, dtype, scheme):
+    """What vLLM's create_weights allocates per linear layer (see the module docstrings of the schemes); W4A16
+    scales in the scheme's scale dtype (the engine's), whatever the weights' dtype."""
     return {
         "int8": {"weight": (torch.int8, (n, k)), "weight_scale": (torch.float32, (n, 1))},
         "fp8_block": {"weight": (torch.float8_e4m3fn, (n, k)),
                       "weight_scale_inv": (torch.float32, (math.ceil(n / 128), math.ceil(k / 128)))},
-        "w4a16": {"weight_packed": (torch.int32, (n, k // 8)), "weight_scale": (dtype, (n, k // 128)),
+        "w4a16": {"weight_packed": (torch.int32, (n, k // 8)), "weight_scale": (scheme.scale_dtype() if name == "w4a16" else None, (n, k // 128)),
                   "weight_shape": (torch.int64, (2,))},
         "none": {"weight": (dtype, (n, k))},
     }[name]
@@ -67,7 +68,7 @@ def test_quantize_save_load_dequantize_equals_the_reference(models, tmp_path, ki
         if key not in plan.quantized:
             assert torch.equal(written[key], w), key  # embeddings, norms, lm_head, router: unchanged
             continue
-        layout = _expected_layout(name, *w.shape, w.dtype)
+        layout = _expected_layout(name, *w.shape, w.dtype, scheme)
         packed = {s: written[f"{prefix}.{s}"] for s in layout}
         assert {s: (t.dtype, tuple(t.shape)) for s, t in packed.items()} == layout, key
         reference = scheme.fake_quant_weight(w)

@@ -152,16 +152,35 @@ def test_int4_pack_by_hand_and_against_compressed_tensors():
     assert torch.equal(ct.unpack_from_int32(ours, 4, torch.Size([16, 64])), q)
 
 
-def test_w4a16_scale_is_rounded_to_the_weight_dtype_first():
+@pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
+def test_w4a16_scale_is_rounded_to_the_scale_dtype_first_whatever_the_weights_dtype(scale_dtype):
+    """A checkpoint written from bf16-stored weights and a sync from the same weights held as fp32 masters must
+    hold the same int4 values: with each scale rounded to its weights' own dtype they did not, and a push of
+    unchanged weights moved SmolLM2's W4A16 engine by up to 3.5 in logprob."""
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(8, 256, generator=g).bfloat16()
-    scheme = W4A16Scheme(W4A16Config(), "cpu")
-    packed = scheme.quantize(w)
-    assert packed["weight_scale"].dtype == torch.bfloat16 and packed["weight_scale"].shape == (8, 2)
-    q = w4a16.unpack_int4(packed["weight_packed"]).float()
-    s = packed["weight_scale"].float().repeat_interleave(128, -1)
+    w = (torch.randn(8, 256, generator=g) * 0.05).bfloat16()
+    dt = getattr(torch, scale_dtype)
+    scheme = W4A16Scheme(W4A16Config(scale_dtype=scale_dtype), "cpu")
+    stored, masters = scheme.quantize(w), scheme.quantize(w.float())
+    assert all(torch.equal(stored[k], masters[k]) for k in stored)
+    assert stored["weight_scale"].dtype == dt and stored["weight_scale"].shape == (8, 2)
+    # by hand: amax / 7 rounded to the scale dtype, q = RTNE(w / scale) within [-8, 7]
+    s = (w.float().reshape(8, 2, 128).abs().amax(-1) / 7).to(dt).float().repeat_interleave(128, -1)
+    q = w4a16.unpack_int4(stored["weight_packed"]).float()
     assert torch.equal(q, torch.round(w.float() / s).clamp(-8, 7))
-    assert torch.equal(scheme.dequantize(packed, torch.bfloat16), (q * s).bfloat16())
+    assert torch.equal(scheme.dequantize(stored, torch.float32), q * s)
+
+
+@pytest.mark.parametrize("served", ["float16", ""], ids=["vllm-serves-w4a16", "no-vllm-w4a16"])
+def test_w4a16_default_scale_dtype_is_the_engines(monkeypatch, served):
+    """Both branches on every CPU (the probe's answer forced): the dtype vLLM's W4A16 kernel runs in here, else
+    bf16; a GPU engine holds scales in the presets' bf16."""
+    from qarl_cli.capabilities_probe import DTYPES_ENV
+
+    monkeypatch.setenv(DTYPES_ENV, served)
+    assert W4A16Scheme(W4A16Config(), "cpu").scale_dtype() == (torch.float16 if served else torch.bfloat16)
+    assert W4A16Scheme(W4A16Config(), "cuda").scale_dtype() == torch.bfloat16
+    assert W4A16Scheme(W4A16Config(scale_dtype="float32"), "cpu").scale_dtype() == torch.float32
 
 
 def test_a_group_size_that_does_not_divide_the_model_is_one_line_with_one_that_does():

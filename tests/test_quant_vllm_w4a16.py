@@ -92,6 +92,10 @@ def test_engine_linears_equal_the_lowbit_aligned_path(engine):
 
 @served
 def test_engine_logprobs_are_far_closer_to_the_aligned_forward_than_to_the_unquantized(engine):
+    """Both aligned paths hold the engine's int4 weights (the scheme rounds scales to the engine's dtype), so
+    both are far closer to it than the unquantized model; between them what is left is the engine's fp16/bf16
+    rounding of everything else (norms, attention, residuals), which neither reproduces: the lowbit path's
+    per-layer exactness is the test above, not an end-to-end ordering."""
     from qarl_cli.logprobs import sequence_logprobs
 
     got = torch.tensor([x for row in engine["logprobs"] for x in row], dtype=torch.float64)
@@ -104,7 +108,7 @@ def test_engine_logprobs_are_far_closer_to_the_aligned_forward_than_to_the_unqua
         gap(_model(engine["src"], "lowbit"))
     print(f"mean |logprob gap| to vLLM W4A16 ({SERVING.dtype}): unquantized {bf16:.2e}, aligned fake {fake:.2e}, "
           f"aligned lowbit {lowbit:.2e}")
-    assert lowbit * 10 <= bf16 and lowbit <= fake
+    assert max(fake, lowbit) * 10 <= bf16
 
 
 def test_without_a_w4a16_kernel_the_engine_refuses_in_one_line(tmp_path, monkeypatch):
@@ -119,22 +123,3 @@ def test_without_a_w4a16_kernel_the_engine_refuses_in_one_line(tmp_path, monkeyp
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path), warm_start_steps=0), log=lambda _: None)
     with pytest.raises(UserError, match="rollout=vllm cannot serve quant=w4a16 on this machine"):
         VLLMEngine(VLLMRolloutConfig(), src, build_scheme(W4A16Config(), "cpu"), dtype="float32")
-
-
-@served
-def test_a_checkpoint_stored_in_another_dtype_than_the_masters_is_refused(tmp_path):
-    """W4A16 scales rounded to the stored bf16 by the served checkpoint and to fp32 by the trainer: a push of
-    unchanged weights moved SmolLM2's engine by up to 3.5 in logprob. Refused in one line naming model.dtype."""
-    from transformers import AutoModelForCausalLM
-
-    from qarl_cli.config.errors import UserError
-    from qarl_cli.config.stages import VLLMRolloutConfig
-    from qarl_cli.quant import build_scheme
-    from qarl_cli.rollout.vllm_engine import VLLMEngine
-
-    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
-                            log=lambda _: None)
-    AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    with pytest.raises(UserError, match="stores its weights in bfloat16 and the trainer's masters are float32.*"
-                                        "set model.dtype=bfloat16"):
-        VLLMEngine(VLLMRolloutConfig(), tmp_path / "bf16", build_scheme(W4A16Config(), "cpu"), dtype="float32")

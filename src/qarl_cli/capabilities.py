@@ -136,33 +136,16 @@ def checkpoint_is_moe(path: Path) -> bool:
     return any(int(config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def for_engine(scheme: str, model_dir: Path, device: str, engine: str, masters: str) -> Serving:
+def for_engine(scheme: str, model_dir: Path, device: str, engine: str) -> Serving:
     """What an engine starting on `model_dir` needs: raises a one-line UserError where vLLM cannot serve the
-    scheme here (a caller that skipped require_served: a script, a test), else the Serving (its dtype).
-    `masters`: the trainer's weight dtype (model.dtype)."""
+    scheme here (a caller that skipped require_served: a script, a test), else the Serving (its dtype)."""
     from qarl_cli.config.errors import UserError
 
     moe = checkpoint_is_moe(model_dir)
     serving = vllm_serving(scheme, moe=moe, gpu=on_gpu(device))
     if not serving.served:
         raise UserError(serving.line(engine, scheme, moe))
-    stored = _stored_dtype(model_dir)
-    if scheme == "w4a16" and serving.dtype and stored not in (None, masters):
-        # The served checkpoint rounds each group's scale to the stored dtype before computing q, the trainer to
-        # its masters' dtype: a push of unchanged weights moved SmolLM2's engine by up to 3.5 in logprob.
-        raise UserError(f"rollout={engine} quant=w4a16: {model_dir} stores its weights in {stored} and the "
-                        f"trainer's masters are {masters}, so W4A16 scales would be rounded in two dtypes and the "
-                        f"engine would not serve the trainer's weights; set model.dtype={stored}, or use "
-                        "rollout=torch")
     return serving
-
-
-def _stored_dtype(model_dir: Path) -> Optional[str]:
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return config.get("dtype") or config.get("torch_dtype")
 
 
 def on_gpu(device: str) -> bool:

@@ -9,6 +9,7 @@ from omegaconf import MISSING
 from qarl_cli.config.errors import between, ge, require
 
 KERNELS = ("fake", "lowbit")
+SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
 @dataclass
@@ -71,12 +72,20 @@ class W4A16Config(QuantConfig):
     name: str = "w4a16"
     impl: ClassVar[str] = "qarl_cli.quant.w4a16:W4A16Scheme"
     group_size: int = 128
+    # The dtype each group's scale (amax / 7) is rounded to before the weights are divided by it: the one the
+    # serving engine holds scales in, so that the checkpoint qarl writes (from weights stored in bf16, say) and
+    # the trainer's sync and aligned forward (from fp32 masters) compute the same int4 values. null: the dtype
+    # vLLM's W4A16 kernel runs in on this CPU (qarl_cli.capabilities), else bfloat16 (GPU engines in the presets'
+    # bf16; rollout=torch). Resolved in qarl_cli.quant.w4a16.W4A16Scheme.scale_dtype.
+    scale_dtype: Optional[str] = None
     DOMAINS: ClassVar[dict] = {"group_size": ge(8)}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.group_size % 8 == 0, "group_size", self.group_size,
                 "must be a positive multiple of 8 (int4 values are packed eight to an int32)")
+        require(self.scale_dtype in (None, *SCALE_DTYPES), "scale_dtype", self.scale_dtype,
+                f"must be null or one of {', '.join(SCALE_DTYPES)}")
 
 
 SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "none": NoQuantConfig}

@@ -1,8 +1,10 @@
 """quant=w4a16: int4 symmetric weights in groups along the input dimension (scale = amax / 7, q in [-8, 7]),
 activations stay in the compute dtype; vLLM's compressed-tensors `pack-quantized` format (Marlin on GPU):
 `weight_packed` int32 [N, K/8] holding q + 8 as eight nibbles, the k-th in bits 4k..4k+3 (little end first);
-`weight_scale` [N, K/group] in the weight's dtype (vLLM reads it in the model dtype, so the reference rounds the
-scale to that dtype before quantizing with it); `weight_shape` int64 [N, K]."""
+`weight_scale` [N, K/group] in the scheme's scale dtype, the one the engine holds scales in (vLLM casts them to
+its model dtype at load), rounded to it before the weights are divided by it, whatever dtype the weights come in:
+a checkpoint written from bf16-stored weights and a sync from fp32 masters then hold the same int4 values;
+`weight_shape` int64 [N, K]."""
 
 from __future__ import annotations
 
@@ -31,10 +33,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return (u + INT4_MIN).reshape(*packed.shape[:-1], -1).to(torch.int8)
 
 
-def quantize_weight_ref(w: torch.Tensor, group: int) -> Packed:
+def quantize_weight_ref(w: torch.Tensor, group: int, scale_dtype: "torch.dtype | None" = None) -> Packed:
+    """scale_dtype: what the scales are rounded to (None: w's dtype)."""
+    scale_dtype = scale_dtype or w.dtype
     g = group_view(w.float(), group)
-    floor = max(SCALE_FLOOR, torch.finfo(w.dtype).tiny)  # a scale that survives the cast to w's dtype
-    scale = div_rn(g.abs().amax(-1), float(INT4_MAX)).clamp_min(floor).to(w.dtype)
+    floor = max(SCALE_FLOOR, torch.finfo(scale_dtype).tiny)  # a scale that survives the cast to its dtype
+    scale = div_rn(g.abs().amax(-1), float(INT4_MAX)).clamp_min(floor).to(scale_dtype)
     q = round_int(div_rn(g, scale.float()[..., None]), INT4_MIN, INT4_MAX).reshape(w.shape)
     return {"weight_packed": pack_int4(q), "weight_scale": scale}
 
@@ -57,7 +61,14 @@ class W4A16Scheme(SchemeBase):
             raise ConfigError(f"quant.group_size={self.group} does not divide a linear's input dimension "
                               f"({w.shape[-1]}) of this model" + (f": use quant.group_size={fits}" if fits % 8 == 0
                                                                   else ""))
-        return quantize_weight_ref(w, self.group)
+        return quantize_weight_ref(w, self.group, self.scale_dtype())
+
+    def scale_dtype(self) -> torch.dtype:
+        """quant.scale_dtype, else the dtype vLLM's W4A16 kernel runs in on this CPU (the engine casts scales to
+        it), else bfloat16: on a GPU, Marlin holds scales in the engine's dtype, the presets' bf16."""
+        if self.cfg.scale_dtype:
+            return getattr(torch, self.cfg.scale_dtype)
+        return (self.engine_dtype() if self.device == "cpu" else None) or torch.bfloat16
 
     def dequantize(self, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
         q = unpack_int4(packed["weight_packed"]).float()
@@ -73,7 +84,8 @@ class W4A16Scheme(SchemeBase):
         the dtype the engine runs in (qarl_cli.capabilities), measured bit for bit against its layers
         (tests/test_quant_vllm_w4a16.py): the weight dequantized in that dtype, q * scale with the scale rounded
         to it and the product rounded again; the input rounded to it; products summed in fp32; the output rounded
-        to it. Without a vLLM W4A16 engine here, x @ w_dq^T."""
+        to it. Without a vLLM W4A16 engine here, x @ w_dq^T. `w_dq`: dequantize(packed) in the masters' dtype,
+        cached by the aligned layer until the next optimizer step."""
         if use_triton(x):
             from qarl_cli.quant.triton_kernels import w4a16_matmul
 
@@ -81,8 +93,14 @@ class W4A16Scheme(SchemeBase):
         dt = self.engine_dtype()
         if dt is None:
             return F.linear(x, w_dq)
-        scale = packed["weight_scale"].to(dt).float().repeat_interleave(self.group, -1)
-        w = (unpack_int4(packed["weight_packed"]).float() * scale).to(dt).float()
+        scale = packed["weight_scale"]
+        if w_dq.dtype == torch.float32 and scale.dtype == dt:
+            # q * scale is exact in fp32 (4 bits times 11 or 8), so w_dq rounded to dt once is the kernel's weight:
+            # nothing to unpack on every forward
+            w = w_dq.to(dt).float()
+        else:
+            s = scale.to(dt).float().repeat_interleave(self.group, -1)
+            w = (unpack_int4(packed["weight_packed"]).float() * s).to(dt).float()
         return F.linear(x.to(dt).float(), w).to(dt).to(x.dtype)
 
     def engine_dtype(self) -> "torch.dtype | None":

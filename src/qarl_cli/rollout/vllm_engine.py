@@ -101,7 +101,7 @@ class VLLMEngine:
         from qarl_cli import capabilities
 
         # the dtype the scheme's kernel needs (W4A16 on CPU: bf16 or fp16), else the model's
-        dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1], dtype).dtype or dtype
+        dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
         os.environ.update(capabilities.ENGINE_ENV)
         self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)

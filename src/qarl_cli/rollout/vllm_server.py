@@ -67,7 +67,7 @@ class ServerEngine:
             served = self._served_checkpoint()
             from qarl_cli import capabilities
 
-            dtype = capabilities.for_engine(scheme.name, self.source, device, self.name, dtype).dtype or dtype
+            dtype = capabilities.for_engine(scheme.name, self.source, device, self.name).dtype or dtype
             if cfg.urls:
                 self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
             else:
