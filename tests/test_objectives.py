@@ -43,12 +43,13 @@ def close(actual, expected, tol=1e-9):
 
 # ---- sequence ratio: tbpo, gspo ---------------------------------------------------------------------------------
 # Four sequences, lengths 2, 3, 3, 2. Per-token logprobs - old vary, the means are what counts:
-#   seq0 A=+0.5  mean 0.0002  s0 = e^0.0002  = 1.00020002000133   inside [0.9997, 1.0004]
-#   seq1 A=+1.0  mean 0.001   s1 = e^0.001   = 1.00100050016671   above 1.0004: clipped
-#   seq2 A=-1.5  mean 0.0005  s2 = e^0.0005  = 1.00050012502084   inside TBPO's negative band [0.9997, 1.0007]
-#   seq3 A=-1.0  mean -0.0005 s3 = e^-0.0005 = 0.99950012497917   below 0.9997: clipped
+#   seq0 A=+0.5  mean 0.0002  s0 = e^0.0002  = 1.00020002000133   inside TBPO's [0.999, 1.001], GSPO's [0.9997, 1.0004]
+#   seq1 A=+1.0  mean 0.001   s1 = e^0.001   = 1.00100050016671   above 1.001 and 1.0004: clipped
+#   seq2 A=-1.5  mean 0.0005  s2 = e^0.0005  = 1.00050012502084   inside TBPO's negative band [0.999, 1.001]
+#   seq3 A=-1.0  mean -0.0005 s3 = e^-0.0005 = 0.99950012497917   inside TBPO's band, below GSPO's 0.9997: clipped
 # (token-wise, seq2's first token has r = e^0.0015, outside every band: only the mean may matter)
-# Mismatch old - rollout per sequence mean: ln 1, ln 1.5, ln 3, ln 0.25 -> w = 1, 1.5, min(3, 2) = 2, 0.25.
+# Mismatch old - rollout per sequence mean: ln 1, ln 1.5, ln 3, ln 0.25 -> rho = 1, 1.5, 3, 0.25; TBPO's
+# w = clamp(rho, 1/2, 2) = 1, 1.5, 2, 0.5; the one-sided min(rho, 2) = 1, 1.5, 2, 0.25.
 SEQ_MASK = [[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 1, 0]]
 SEQ_OLD = [[-1.0, -2.0, 0.0], [-0.5, -1.0, -3.0], [-2.0, -1.0, -1.0], [-1.0, -0.5, 0.0]]
 SEQ_DELTA = [[0.0001, 0.0003, 0.0], [0.0, 0.001, 0.002], [0.0015, 0.0, 0.0], [-0.001, 0.0, 0.0]]
@@ -62,40 +63,73 @@ def seq_case(cfg):
     return run(cfg, lp, SEQ_OLD, rollout, SEQ_ADV, SEQ_MASK)
 
 
-def test_tbpo_without_its_keep_mask_by_hand():
-    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), drop_outside_band=False))
-    # g = [0.5 s0, 1.0 * 1.0004, -1.5 s2, -1.0 * 0.9997];  loss = -(1/4) sum_i w_i g_i
-    #   = -(0.5 * 1.00020002000133 + 1.5 * 1.0004 - 2 * 1.5 * 1.00050012502084 - 0.25 * 0.9997) / 4
-    close(loss, 0.31268134126546016)
-    # seq0: -(1/4) * 1 * 0.5 * s0 / 2 = -s0 / 16;  seq2: -(1/4) * 2 * (-1.5) * s2 / 3 = s2 / 4;  seq1, seq3 clipped
-    g0, g2 = -1.00020002000133 / 16, 1.00050012502084 / 4
-    close(grad, [[g0, g0, 0], [0, 0, 0], [g2, g2, g2], [0, 0, 0]])
+S0, S2, S3 = 1.00020002000133, 1.00050012502084, 0.99950012497917
+
+
+def test_tbpo_by_hand_as_the_public_loss_computes_it():
+    cfg = TBPOConfig()
+    assert (cfg.eps_high, cfg.eps_neg_low, cfg.eps_neg_high) == (1e-3, 1e-3, 1e-3)
+    assert cfg.mismatch_clip == "both" and not cfg.drop_outside_band
+    loss, grad, metrics = seq_case(cfg)
+    # g = [0.5 s0, 1.0 * 1.001, -1.5 s2, -1.0 s3], w = [1, 1.5, 2, 0.5];  loss = -(1/4) sum_i w_i g_i
+    close(loss, -(0.5 * S0 + 1.5 * 1.001 - 2 * 1.5 * S2 - 0.5 * S3) / 4)
+    # seq0: -(1/4) * 1 * 0.5 * s0 / 2;  seq1 clipped;  seq2: -(1/4) * 2 * (-1.5) * s2 / 3;  seq3: -(1/4) * 0.5 * (-1) * s3 / 2
+    g0, g2, g3 = -S0 / 16, S2 / 4, S3 / 16
+    close(grad, [[g0, g0, 0], [0, 0, 0], [g2, g2, g2], [g3, g3, 0]])
     close(metrics["objective/clip_frac_pos"], 3 / 5)  # seq1's 3 of 5 positive tokens
-    close(metrics["objective/clip_frac_neg"], 2 / 5)  # seq3's 2 of 5 negative tokens
+    close(metrics["objective/clip_frac_neg"], 0.0)  # both negatives inside the band
     close(metrics["objective/dropped_frac"], 0.0)
     close(metrics["objective/seq_ratio_mean"], 1.0003001925420119)  # (s0 + s1 + s2 + s3) / 4
-    close(metrics["objective/mismatch_weight_mean"], 1.3)  # (1 * 2 + 1.5 * 3 + 2 * 3 + 0.25 * 2) / 10 tokens
-    close(metrics["objective/mismatch_weight_clipped_frac"], 0.3)  # seq2's 3 tokens have raw weight 3 > 2
+    close(metrics["objective/mismatch_weight_mean"], (1 * 2 + 1.5 * 3 + 2 * 3 + 0.5 * 2) / 10)  # per token
+    close(metrics["objective/mismatch_weight_clipped_frac"], 0.5)  # seq2 (3 > 2) and seq3 (0.25 < 1/2): 5 tokens
 
 
-def test_tbpo_by_hand_its_keep_mask_on_by_default():
-    assert TBPOConfig().drop_outside_band
-    loss, grad, metrics = seq_case(TBPOConfig())
+def test_tbpo_one_sided_weight_clip_option_by_hand():
+    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), mismatch_clip="upper"))
+    # as above with seq3's weight min(0.25, 2) = 0.25
+    close(loss, -(0.5 * S0 + 1.5 * 1.001 - 2 * 1.5 * S2 - 0.25 * S3) / 4)
+    close(grad[3], [S3 / 32, S3 / 32, 0])
+    close(metrics["objective/mismatch_weight_clipped_frac"], 0.3)  # only seq2's 3 tokens are above 2
+
+
+def test_tbpo_past_the_band_on_both_signs_and_an_empty_row_by_hand():
+    # a: A=+1, mean 0.0005, s = e^0.0005, inside;      rho 4    -> w 2
+    # b: A=+1, mean -0.01, s = e^-0.01, below the band: a positive keeps its gradient (min(s, 1.001) = s);
+    #    rho 0.1 -> w 1/2
+    # c: A=-1, mean 0.002, s = e^0.002 > 1.001: the term is -1.001, no gradient;   rho 0.8 -> w 0.8
+    # d: A=-1, mean -0.002, s = e^-0.002 < 0.999: the term is -0.999, no gradient; rho 1.2 -> w 1.2
+    # e: no response token: left out of the mean (over 4 sequences), no gradient
+    mask = [[1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]]
+    old = [[-1.0, -2.0, -1.0]] * 5
+    delta = [[0.0004, 0.0006, 0], [-0.01, -0.02, 0.0], [0.004, 0.0, 0], [-0.002, 0, 0], [0.5, 0.5, 0.5]]
+    lp = [[o + d for o, d in zip(ro, rd)] for ro, rd in zip(old, delta)]
+    log_rho = [LN(4), LN(0.1), LN(0.8), LN(1.2), 0.0]
+    rollout = [[o - x for o in ro] for ro, x in zip(old, log_rho)]
+    loss, grad, metrics = run(TBPOConfig(), lp, old, rollout, [1.0, 1.0, -1.0, -1.0, 1.0], mask)
+    sa, sb = math.exp(0.0005), math.exp(-0.01)
+    close(loss, -(2 * sa + 0.5 * sb - 0.8 * 1.001 - 1.2 * 0.999) / 4)
+    ga, gb = -2 * sa / 4 / 2, -0.5 * sb / 4 / 3
+    close(grad, [[ga, ga, 0], [gb, gb, gb], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    close(metrics["objective/clip_frac_pos"], 0.0)
+    close(metrics["objective/clip_frac_neg"], 1.0)
+    close(metrics["objective/mismatch_weight_clipped_frac"], 5 / 8)  # a's 2 and b's 3 of 8 response tokens
+
+
+def test_tbpo_keep_mask_option_by_hand():
+    loss, grad, metrics = seq_case(dataclasses.replace(TBPOConfig(), drop_outside_band=True))
     # band [1/2, 2]: seq2 (3) and seq3 (0.25) get weight 0 but still count among the 4 sequences
-    # loss = -(0.5 * s0 + 1.5 * 1.0004) / 4 = -(0.500100010000667 + 1.5006) / 4
-    close(loss, -0.5001750025001667)
-    g0 = -1.00020002000133 / 16
+    close(loss, -(0.5 * S0 + 1.5 * 1.001) / 4)
+    g0 = -S0 / 16
     close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
-
     close(metrics["objective/dropped_frac"], 0.5)  # 5 of 10 tokens
     close(metrics["objective/mismatch_weight_mean"], 1.3)  # kept tokens only: (1 * 2 + 1.5 * 3) / 5
 
 
 def test_positive_only_drops_negative_terms_but_keeps_their_count_by_hand():
-    cfg = dataclasses.replace(TBPOConfig(), drop_outside_band=False, positive_only=True)
+    cfg = dataclasses.replace(TBPOConfig(), positive_only=True)
     loss, grad, _ = seq_case(cfg)
-    # Only seq0 and seq1 contribute, still over 4 sequences: -(1 * 0.5 * s0 + 1.5 * 1.0004) / 4
-    close(loss, -(0.5 * 1.00020002000133 + 1.5 * 1.0004) / 4)
+    # Only seq0 and seq1 contribute, still over 4 sequences: -(1 * 0.5 * s0 + 1.5 * 1.001) / 4
+    close(loss, -(0.5 * 1.00020002000133 + 1.5 * 1.001) / 4)
     g0 = -1.00020002000133 / 16  # seq0's gradient is the full objective's: positive terms are unchanged
     close(grad, [[g0, g0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
     # GSPO (no weight): seq2, which GSPO alone would follow (grad s2 / 8), gets none
@@ -190,11 +224,11 @@ def test_grpo_tis_drop_outside_band_by_hand():
 
 def test_far_outside_band_negatives_get_no_gradient_under_tbpo():
     # seq0 A=+1 and seq1 A=-1 at s = e^0.05 = 1.0513 (above both bands), seq2 A=-1 at s = e^-0.05 (below).
-    # TBPO: every g is its clipped value: -(1.0004 - 1.0007 - 0.9997) / 3 = 1/3, and no gradient anywhere.
+    # TBPO: every g is its clipped value: -(1.001 - 1.001 - 0.999) / 3 = 0.333, and no gradient anywhere.
     old = [[-1.0, -1.0]] * 3
     lp = [[-1.0 + 0.05] * 2, [-1.0 + 0.05] * 2, [-1.0 - 0.05] * 2]
     loss, grad, _ = run(TBPOConfig(), lp, old, old, [1.0, -1.0, -1.0], [[1, 1]] * 3)
-    close(loss, 1 / 3)
+    close(loss, 0.999 / 3)
     close(grad, torch.zeros(3, 2))
     # GSPO's PPO rule follows a negative sample above its band: seq1 gets -(1/3) * (-1) * e^0.05 / 2 = 0.1752
     _, grad, _ = run(GSPOConfig(), lp, old, old, [1.0, -1.0, -1.0], [[1, 1]] * 3)
@@ -218,8 +252,9 @@ CONFIGS = [cls() for cls in SCHEMAS.values()] + [
     dataclasses.replace(GRPOConfig(), mismatch="tis", drop_outside_band=True),
     dataclasses.replace(GSPOConfig(), mismatch="tis"),
     dataclasses.replace(SCHEMAS["dapo"](), mismatch="seq", dual_clip=True),
+    dataclasses.replace(TBPOConfig(), mismatch_clip="upper", drop_outside_band=True),
 ]
-IDS = [f"{c.name}-{c.mismatch}" for c in CONFIGS]
+IDS = [f"{c.name}-{c.mismatch}-{c.mismatch_clip}" + ("-keep" if c.drop_outside_band else "") for c in CONFIGS]
 
 
 def random_case(seed, dtype=F64):
@@ -308,6 +343,7 @@ def test_tables_match_config_choices():
     (TBPOConfig, "eps_high", -0.1, "eps_high=-0.1: must be >= 0"),
     (GRPOConfig, "eps_neg_high", -0.5, "eps_neg_high=-0.5: must be >= 0"),  # nan: config/finite.py's
     (TBPOConfig, "mismatch_cap", 0.5, "mismatch_cap=0.5: must be >= 1"),
+    (TBPOConfig, "mismatch_clip", "lower", "mismatch_clip='lower': must be one of"),
     (TBPOConfig, "mismatch", "is", "mismatch='is': must be one of ('none', 'tis', 'seq')"),
     (GRPOConfig, "loss_agg", "mean", "loss_agg='mean': must be one of ('token-mean', 'seq-mean-token-mean', "),
     (GSPOConfig, "drop_outside_band", True, "drop_outside_band=True: needs mismatch 'tis' or 'seq'"),

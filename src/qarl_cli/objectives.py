@@ -122,7 +122,8 @@ def _clipped_loss(log_ratio: Tensor, b: PolicyBatch, cfg: AlgorithmConfig) -> tu
     log_w = MISMATCH_LOG_RATIOS[cfg.mismatch](b)
     log_cap = math.log(cfg.mismatch_cap)
     dropped = (log_w.abs() > log_cap) if cfg.drop_outside_band else torch.zeros_like(m)
-    weight = log_w.clamp(max=log_cap).exp().masked_fill(dropped, 0.0)
+    two_sided = cfg.mismatch_clip == "both"
+    weight = log_w.clamp(min=-log_cap if two_sided else None, max=log_cap).exp().masked_fill(dropped, 0.0)
     if cfg.positive_only:
         weight = weight.masked_fill(neg, 0.0)
     loss = -AGGREGATIONS[cfg.loss_agg](weight * surrogate, m)
@@ -142,7 +143,7 @@ def _clipped_loss(log_ratio: Tensor, b: PolicyBatch, cfg: AlgorithmConfig) -> tu
             "objective/dropped_frac": _frac(dropped, m),
             "objective/seq_ratio_mean": sequence_mean(sequence_log_ratio(b.logprobs, b.old_logprobs, m).exp(), m),
             "objective/mismatch_weight_mean": torch.where(kept, weight, 0.0).sum() / kept.sum().clamp(min=1),
-            "objective/mismatch_weight_clipped_frac": _frac(log_w > log_cap, m),
+            "objective/mismatch_weight_clipped_frac": _frac((log_w.abs() if two_sided else log_w) > log_cap, m),
         }
         if entropy is not None:
             metrics["objective/entropy"] = entropy.detach()

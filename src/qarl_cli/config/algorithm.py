@@ -15,6 +15,9 @@ from qarl_cli.config.errors import ANY, between, ge, require
 # What corrects for the rollout engine's logprobs (mu) differing from the aligned trainer's (pi_old):
 # nothing, a per-token weight (truncated importance sampling), or one weight per sequence (TBPO's).
 MISMATCH_MODES = ("none", "tis", "seq")
+# How the mismatch weight rho = pi_old / mu is bounded by C (mismatch_cap): from above only, min(rho, C), as
+# truncated importance sampling does; or on both sides, clamp(rho, 1/C, C), as TBPO's public loss does.
+MISMATCH_CLIPS = ("upper", "both")
 # How per-token loss terms become one scalar: over all response tokens; per sequence then over sequences;
 # summed per sequence then averaged over sequences.
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -35,7 +38,8 @@ class AlgorithmConfig:
     # [1 - eps_neg_low, 1 + eps_neg_high]); False applies the plain PPO rule (only the low side stops the gradient).
     dual_clip: bool = False
     mismatch: str = "none"  # rollout mismatch correction: one of MISMATCH_MODES
-    mismatch_cap: float = 2.0  # C: the mismatch weight is min(pi_old / mu, C); >= 1 (inf: no cap)
+    mismatch_cap: float = 2.0  # C: the mismatch weight's bound (see mismatch_clip); >= 1 (inf: no bound)
+    mismatch_clip: str = "upper"  # one of MISMATCH_CLIPS: min(rho, C), or clamp(rho, 1/C, C)
     # Mask out (weight 0) the tokens ("tis") or sequences ("seq") whose raw mismatch ratio lies outside [1/C, C];
     # they still count in the loss denominator. Needs mismatch != "none".
     drop_outside_band: bool = False
@@ -60,27 +64,29 @@ class AlgorithmConfig:
         require(self.mismatch in MISMATCH_MODES, "mismatch", self.mismatch, f"must be one of {MISMATCH_MODES}")
         require(not self.drop_outside_band or self.mismatch != "none", "drop_outside_band", self.drop_outside_band,
                 "needs mismatch 'tis' or 'seq': which ratio to test against the band")
+        require(self.mismatch_clip in MISMATCH_CLIPS, "mismatch_clip", self.mismatch_clip,
+                f"must be one of {MISMATCH_CLIPS}")
         require(self.loss_agg in LOSS_AGGS, "loss_agg", self.loss_agg, f"must be one of {LOSS_AGGS}")
 
 
 @dataclass
 class TBPOConfig(AlgorithmConfig):
-    """TBPO (QaRL): sequence ratio in a narrow trust band, negatives clipped on both sides, capped sequence
-    mismatch weight."""
+    """TBPO (QaRL) as its public sequence-level loss computes it (docs/objectives.md): sequence ratio in a trust
+    band of 1e-3, negatives clipped on both sides, sequence mismatch weight clipped to [1/C, C], nothing dropped."""
 
     name: str = "tbpo"
     impl: ClassVar[str] = "qarl_cli.objectives:sequence_ratio_loss"
-    eps_low: float = 3e-4
-    eps_high: float = 4e-4
-    eps_neg_low: float = 3e-4
-    eps_neg_high: float = 7e-4  # wider above 1 than eps_high: a negative sample may be pushed down a little further
+    eps_low: float = 1e-3  # a positive sample's lower end does not act (PPO's min), so this one is moot for tbpo
+    eps_high: float = 1e-3
+    eps_neg_low: float = 1e-3
+    eps_neg_high: float = 1e-3
     dual_clip: bool = True
+    # One weight per sequence, and no token-level importance weights on top (the public code switches them off).
     mismatch: str = "seq"
-    # TBPO's sequence keep mask: a sequence whose mismatch ratio leaves [1/C, C] (the sampler and the aligned
-    # learner disagree on it as a whole, e.g. a run of error tokens) is left out of the update, as TBPO's public
-    # code path (a verl fork's loss_mode="tbpo") applies it. One weight per sequence also means no token-level
-    # importance weights on top: mismatch is "seq", not "tis".
-    drop_outside_band: bool = True
+    mismatch_clip: str = "both"
+    # The second public fork also returns a sequence keep mask, whose rule is not published; drop_outside_band=true
+    # is a guess at it (sequences whose rho leaves [1/C, C] get weight 0), an option and not the method's default.
+    drop_outside_band: bool = False
 
 
 @dataclass
