@@ -51,6 +51,9 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
                 "mismatch/abs_log_w_mean", "mismatch/abs_log_w_mean@0-32", "error_tokens/any_frac@0-32"):
         assert key in m[1], key
     assert "eval/avg@2" in m[0] and "eval/greedy_acc" in m[3]
+    # how much of the low-bit model changed: from the second sync on (the first has nothing to compare with)
+    assert "sync/lowbit_changed_frac" not in m[1]
+    assert all(0 <= m[s]["sync/lowbit_changed_frac"] <= 1 and m[s]["sync/lowbit_changed_tensors"] >= 0 for s in (2, 3))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     assert (run / "checkpoints" / "step_000003" / "model" / "tokenizer.json").is_file()
     assert list((run / "wandb").glob("offline-run-*"))
@@ -162,7 +165,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
 
 @pytest.mark.slow
 def test_paper_experiment_dry_run_on_the_tiny_moe(tmp_path):
-    """The Qwen3-30B-A3B preset's code path (fp8_block, TBPO, wandb, 4 minibatches...) on the tiny MoE model and a
+    """The Qwen3-30B-A3B preset's code path (fp8_block, TBPO, wandb, one update per batch...) on the tiny MoE model and a
     small OpenR1-layout file. Here (no GPU) the dry run moves to the CPU and the embedded engine, and says so."""
     data = tmp_path / "openr1.jsonl"
     data.write_text("".join(json.dumps({"uuid": str(i), "problem": f"What is {i} + {i + 3}?", "answer": str(2 * i + 3)})
