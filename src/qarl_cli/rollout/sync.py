@@ -51,6 +51,11 @@ class InplaceSync:
         self.cfg, self.scheme, self.plan, self.probe = cfg, scheme, plan, [list(p) for p in probe]
         self.gather = gather
         self.syncs = 0
+        self.changes = None
+        if cfg.track_lowbit and scheme.quantizes_weights:
+            from qarl_cli.rollout.lowbit_changes import LowbitChanges
+
+            self.changes = LowbitChanges(scheme, plan, cfg.mode)
 
     def weights(self, model: nn.Module):
         """What goes over the wire for this mode: (name, tensor) in checkpoint format."""
@@ -70,6 +75,8 @@ class InplaceSync:
         (load_weights)."""
         start = time.perf_counter()
         weights = self.weights(model)  # under torchrun the other ranks gather in here, in step with rank 0's reads
+        if self.changes is not None:
+            weights = self.changes.watch(weights)
         version = str(self.syncs + 1)
         due = bool(self.cfg.verify_every) and (self.syncs + 1) % self.cfg.verify_every == 0
 
@@ -87,6 +94,8 @@ class InplaceSync:
         # rank 0's engine as all ranks see it (train.distributed.MainEngine) delivers there, errors everywhere
         metrics = dict((engine.deliver(deliver) if hasattr(engine, "deliver") else deliver(engine)) or {})
         metrics["time/sync"] = time.perf_counter() - start
+        if self.changes is not None:
+            metrics.update(self.changes.commit())
         self.syncs += 1
         if due:
             metrics.update(self.verify(model, engine))
