@@ -553,11 +553,12 @@ sys.exit(main(sys.argv[1:]))
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", [("qarl_cli.rollout.vllm_transfer", "QarlShmWeightTransferEngine.receive_weights", 2, "sync"),
-                                   ("qarl_cli.rollout.vllm_engine", "VLLMEngine.score", 2, "sync")],
+                                   ("qarl_cli.rollout.vllm_engine", "VLLMEngine.score", 3, "sync")],
                          ids=["reload", "verify-probe"])
 def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):
-    """Ctrl-C landing inside the in-place weight reload or the sync's verify probe (the second call of each: the
-    first belongs to start-up): the one-line report naming the stage, step 1 checkpointed, exit 130."""
+    """Ctrl-C landing inside the in-place weight reload or the sync's verify probe (the reload's second call, the
+    first belongs to start-up; the probe's third, after start-up and the verify's calibration before training):
+    the one-line report naming the stage, step 1 checkpointed, exit 130."""
     mod, attr, at, stage = where
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE, mod, attr, str(at), "train", *SMALL,
