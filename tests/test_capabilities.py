@@ -83,7 +83,18 @@ def test_the_w4a16_probe_runs_vllm_in_float16_at_least(monkeypatch, tmp_path):
     monkeypatch.setenv("QARL_CACHE_DIR", str(tmp_path))
     runs = w4a16_dtypes(cpu_flags())
     assert "float16" in runs
-    assert list((tmp_path / "capabilities").glob("w4a16-dtypes-*.json"))  # cached: the next ask runs nothing
+    # cached: the next ask runs nothing; and only this answer: a probe writes its W4A16 checkpoint with its own
+    # dtype's scales and asks nothing (when its scheme asked, each probe started probes of its own, without end)
+    assert len(list((tmp_path / "capabilities").glob("w4a16-dtypes-*.json"))) == 1
+
+
+def test_a_probe_never_asks_for_a_probe(monkeypatch):
+    from qarl_cli.capabilities_probe import _INSIDE, w4a16_dtypes
+
+    monkeypatch.delenv(DTYPES_ENV, raising=False)
+    monkeypatch.setenv(_INSIDE, "1")
+    with pytest.raises(RuntimeError, match="a probe asked for the probe's answer"):
+        w4a16_dtypes(cpu_flags())
 
 
 def _qarl(*args, env=None):

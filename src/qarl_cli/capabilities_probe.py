@@ -6,13 +6,18 @@ in a child process (a SIGILL takes the child, not the caller) in each candidate 
 Answers are cached per CPU, vLLM and torch version in QARL_CACHE_DIR; QARL_VLLM_DTYPES (comma separated) replaces
 them, as QARL_CPU_FLAGS replaces the CPU's flags.
 
+One process probes at a time (a lock beside the cache; the others wait and read its answer); a probe dies with the
+process that started it; a probe killed from outside (SIGTERM, SIGKILL, Ctrl-C) is no answer and is not cached.
+
 Run as `python -m qarl_cli.capabilities_probe DTYPE`: exits 0 after generating in that dtype."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +27,9 @@ from pathlib import Path
 DTYPES_ENV = "QARL_VLLM_DTYPES"
 CANDIDATES = ("bfloat16", "float16")
 TIMEOUT_S = 300.0
+_INSIDE = "QARL_CAPABILITY_PROBE"  # set in a probe: its own W4A16 checkpoint names its dtype, it never probes
+# How a probe dies when something outside stops it, not the kernel: no answer about the dtype
+_STOPPED = {-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT, -signal.SIGHUP}
 
 
 def _cache_file(flags: frozenset) -> Path:
@@ -42,27 +50,40 @@ def w4a16_dtypes(flags: frozenset) -> frozenset:
     forced = os.environ.get(DTYPES_ENV)
     if forced is not None:
         return frozenset(forced.replace(",", " ").split())
+    if os.environ.get(_INSIDE):
+        raise RuntimeError("capabilities_probe: a probe asked for the probe's answer (it would start probes "
+                           "without end)")
     cache = _cache_file(flags)
-    try:
-        return frozenset(json.loads(cache.read_text())["runs"])
-    except (OSError, ValueError, KeyError):
-        pass
-    runs = [d for d in CANDIDATES if _runs(d)]
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"runs": runs, "tried": list(CANDIDATES)}))
-    tmp.replace(cache)
+    with open(cache.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process probing: wait for its answer
+        try:
+            return frozenset(json.loads(cache.read_text())["runs"])
+        except (OSError, ValueError, KeyError):
+            pass
+        runs = [d for d in CANDIDATES if _runs(d)]
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"runs": runs, "tried": list(CANDIDATES)}))
+        tmp.replace(cache)
     return frozenset(runs)
 
 
 def _runs(dtype: str) -> bool:
+    from qarl_cli.rollout.server_process import _die_with_parent
+
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", **{_INSIDE: "1"})
     try:
         proc = subprocess.run([sys.executable, "-m", "qarl_cli.capabilities_probe", dtype], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=TIMEOUT_S)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=TIMEOUT_S,
+                              preexec_fn=_die_with_parent)
     except subprocess.TimeoutExpired:
-        return False
+        return False  # a hang is a kernel that does not run
+    if proc.returncode in _STOPPED:
+        from qarl_cli.config.errors import UserError
+
+        raise UserError(f"capabilities_probe: the {dtype} probe was stopped from outside (exit "
+                           f"{proc.returncode}); nothing cached, the next run probes again")
     return proc.returncode == 0
 
 
@@ -83,7 +104,7 @@ def _probe(dtype: str) -> None:
                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
                              tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0)
         Qwen3ForCausalLM(config).save_pretrained(str(src))
-        write_checkpoint(src, served, build_scheme(W4A16Config(), "cpu"), progress=False)
+        write_checkpoint(src, served, build_scheme(W4A16Config(scale_dtype=dtype), "cpu"), progress=False)
         from vllm import LLM, SamplingParams
 
         llm = LLM(model=str(served), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
