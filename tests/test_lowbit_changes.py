@@ -61,6 +61,16 @@ def test_changed_elements_and_matrices_by_hand(mode, quant):
     assert tracker.commit() == {"sync/lowbit_changed_frac": (64 if quant.name == "int8" else 32) / (12 * 64),
                                 "sync/lowbit_changed_tensors": 1}
 
+def test_primed_with_the_served_weights_the_first_sync_is_compared():
+    scheme = build_scheme(Int8Config(), "cpu")
+    tracker = LowbitChanges(scheme, PLAN, "prequantized")
+    state = _state()
+    tracker.prime(quantized_state(state, scheme, PLAN))
+    state["a.weight"][0, 9] = 0.9 if state["a.weight"][0, 9] < 0 else -0.9
+    _sync(tracker, state, scheme, "prequantized")
+    assert tracker.commit() == {"sync/lowbit_changed_frac": 1 / (12 * 64), "sync/lowbit_changed_tensors": 1}
+
+
 def test_a_failed_push_is_not_the_previous_one():
     """A push the engine refused (no commit) leaves the comparison against the last weights the engine took."""
     scheme = build_scheme(Int8Config(), "cpu")

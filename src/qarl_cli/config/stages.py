@@ -184,8 +184,9 @@ class InplaceSyncConfig(SyncConfig):
     # one bucket at a time, not the model (one tensor larger than a bucket travels alone).
     bucket_mb: int = 256
     # Log sync/lowbit_changed_frac and sync/lowbit_changed_tensors: how much of the low-bit model the engine
-    # serves changed at this sync (an update smaller than a quantization step changes nothing). Keeps the previous
-    # sync's packed weights in host memory (int8/fp8: a byte per weight; int4: half).
+    # serves changed at this sync (an update smaller than a quantization step changes nothing), the first sync
+    # against the weights the engine started with. Keeps the previous sync's packed weights in host memory
+    # (int8/fp8: a byte per weight; int4: half).
     track_lowbit: bool = True
     DOMAINS: ClassVar[dict] = {"verify_every": ge(0, "0: never"), "verify_tolerance": gt(0), "bucket_mb": ge(1)}
 

@@ -8,8 +8,9 @@ low-bit policy: then quantized rollouts are not following training. This measure
 
 The tracker watches the stream the sync sends: in mode=prequantized the packed tensors themselves, in mode=online
 the masters, quantized here with the same scheme (what the engine will compute). It keeps the previous sync's
-packed tensors on the host (a byte per weight for int8 and fp8, half a byte for int4, plus scales), and reports
-from the second sync on (the first has nothing of its own to compare with). A push that fails changes nothing."""
+packed tensors on the host (a byte per weight for int8 and fp8, half a byte for int4, plus scales). Before
+training the sync primes it with the weights the engine starts with (`prime`), so the first sync after a start or
+a resume is compared too, and a resumed run logs what an unbroken one does. A push that fails changes nothing."""
 
 from __future__ import annotations
 
@@ -58,9 +59,15 @@ class LowbitChanges:
             self.tensors += diff > 0
         self.pending[prefix] = packed
 
+    def prime(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take `weights` (the stream a sync would send now) as what the engine serves."""
+        for _ in self.watch(weights):
+            pass
+        self.commit()
+
     def commit(self) -> dict[str, float]:
-        """After a push the engine took: this sync's figures (none at the first), and its weights become the
-        previous ones."""
+        """After a push the engine took: this sync's figures (none when nothing was primed or sent before), and its
+        weights become the previous ones."""
         compared = self.total > 0
         self.previous.update(self.pending)
         self.pending = {}

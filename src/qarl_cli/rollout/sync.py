@@ -47,8 +47,9 @@ class Sync(Protocol):
         ...
 
     def calibrate(self, model: nn.Module, engine: RolloutEngine) -> str:
-        """Before training, while engine and trainer hold the same weights: what the kernels alone make of the
-        verify's gap, and so the verify's bound; a line to show when it says more than sync.verify_tolerance."""
+        """Before training, while engine and trainer hold the same weights: what the engine serves now (the
+        baseline of sync/lowbit_changed_*), and what the kernels alone make of the verify's gap, so the verify's
+        bound; a line to show when it says more than sync.verify_tolerance."""
         ...
 
 
@@ -132,6 +133,8 @@ class InplaceSync:
             self.transfer.close()
 
     def calibrate(self, model: nn.Module, engine: RolloutEngine) -> str:
+        if self.changes is not None:  # under torchrun every rank takes part in the gather, as in push
+            self.changes.prime(self.weights(model))
         if not self.cfg.verify_every:
             return ""
         floor, worst, _ = self._gaps(model, engine)

@@ -33,7 +33,7 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
             fresh = not run.resumed_from and cfg.eval_every
             with tracker.stage("eval"):
                 history = report.evaluate_now(run, run.start_step, console) if fresh else []
-            with tracker.stage("sync"):  # the verify's floor: engine and trainer on the same weights
+            with tracker.stage("sync"):  # engine and trainer on the same weights: the sync's baselines
                 if line := run.sync.calibrate(run.model, run.engine):
                     console.print(f"[qarl] {line}")
             from qarl_cli.train.rollouts import Rollouts
