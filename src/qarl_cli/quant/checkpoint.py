@@ -21,9 +21,8 @@ from qarl_cli.config.errors import ConfigError, UserError
 from qarl_cli.quant.aligned import AlignedLinear
 from qarl_cli.quant.base import Scheme
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
+from qarl_cli.safetensors_files import INDEX, SINGLE, open_safetensors, read_tensors
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 # Files that hold weights (of any framework); a checkpoint's other files are its side files.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
@@ -161,8 +160,6 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
 
 
 def _keys(path: Path) -> list[str]:
-    from qarl_cli.models.integrity import open_safetensors
-
     with open_safetensors(path) as reader:  # a missing, truncated or damaged shard: one line naming it
         return list(reader.keys())
 
@@ -170,8 +167,6 @@ def _keys(path: Path) -> list[str]:
 def _read_shard(src: Path, file: str, keys: list[str], seen: set[str], advance: Callable[[], None]
                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One shard's tensors, one at a time, each checked to be finite (NaN/inf: one line naming it)."""
-    from qarl_cli.models.integrity import read_tensors
-
     for key, tensor in read_tensors(src / file, keys, what=f"model.path={str(src)!r}, {file}"):
         seen.add(key)
         yield key, tensor

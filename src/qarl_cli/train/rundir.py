@@ -9,7 +9,6 @@
   the checkpoint's config; a key that shapes them (model, data, quant, algorithm, lr, ...) is refused by name.
   Keys in RESUMABLE only say how long to run, how often to evaluate or save, where to log and what resources
   to use.
-- `check_steps_left`: a resume must have steps left to train (checked before anything loads).
 - `tidy_for_resume`: the records of an interrupted run are cut back to its checkpoint (metrics.jsonl keeps the
   lines of steps <= the checkpoint's), and partly written checkpoints are removed, so that a resumed run's
   records equal an uninterrupted run's."""
@@ -98,18 +97,6 @@ def check_resume(ckpt: Path, config: dict) -> None:
                           "logs and the resources it uses: start a new run for the others")
 
 
-def check_steps_left(ckpt: Path, steps: int, dry_run: bool = False) -> None:
-    """ConfigError unless checkpoint `ckpt` stopped below `steps`: a resume asking for no more steps than the
-    checkpoint has done would load the model and the engine, then end without a word."""
-    from qarl_cli.train.state import checkpoint_step
-
-    done = checkpoint_step(ckpt)
-    if done < steps:
-        return
-    further = f"set steps above {done} to train further" + (" (dry_run=true runs 1 step)" if dry_run else "")
-    how = (f"has done all steps={steps}: nothing to train; {further}" if done == steps
-           else f"has done {done} steps and steps={steps} asks for fewer: {further}")
-    raise ConfigError(f"resume: checkpoint {ckpt} {how}")
 
 
 def tidy_for_resume(run_dir: Path, step: int, metrics_file: str, main: bool) -> None:

@@ -80,14 +80,14 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     from qarl_cli.train.learner import Learner
     from qarl_cli.train import rundir
     from qarl_cli.train.loggers import NullLogger
-    from qarl_cli.train.state import find_resume, load_trainer_state
+    from qarl_cli.train.state import check_steps_left, find_resume, load_trainer_state
 
     dist = dist or Single()
     torch.manual_seed(cfg.seed)
     device = torch.device(resolve_device(cfg.device))
     ckpt = find_resume(cfg.resume, run_dir)
     if ckpt:  # before any model is built or loaded: a resume that cannot go on stops here, in one line
-        rundir.check_steps_left(ckpt, cfg.steps, cfg.dry_run)
+        check_steps_left(ckpt, cfg.steps, cfg.dry_run)
         rundir.check_resume(ckpt, rundir.config_dict(cfg))
         check_model_dir(ckpt / "model", f"resume={cfg.resume}")
     source = model_dir(cfg.model, log=log)

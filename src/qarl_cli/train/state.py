@@ -58,6 +58,18 @@ def checkpoint_step(ckpt: Path) -> int:
                           "resume from another checkpoint") from None
 
 
+def check_steps_left(ckpt: Path, steps: int, dry_run: bool = False) -> None:
+    """ConfigError unless checkpoint `ckpt` stopped below `steps`: a resume asking for no more steps than the
+    checkpoint has done would load the model and the engine, then end without a word."""
+    done = checkpoint_step(ckpt)
+    if done < steps:
+        return
+    further = f"set steps above {done} to train further" + (" (dry_run=true runs 1 step)" if dry_run else "")
+    how = (f"has done all steps={steps}: nothing to train; {further}" if done == steps
+           else f"has done {done} steps and steps={steps} asks for fewer: {further}")
+    raise ConfigError(f"resume: checkpoint {ckpt} {how}")
+
+
 def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source: Path, extra: dict) -> Path:
     """Write checkpoint `step` atomically; returns its directory. Distributed: every rank calls this (the full
     weights and optimizer state are gathered on rank 0, which writes them)."""
