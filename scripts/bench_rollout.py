@@ -54,7 +54,7 @@ def sync_gaps(engines, rounds) -> list[dict]:
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.aligned import align
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
-    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.sync.inplace import InplaceSync
 
     gen = torch.Generator().manual_seed(0)
     probe = [torch.randint(3, 100, (24,), generator=gen).tolist() for _ in range(16)]

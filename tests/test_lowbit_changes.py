@@ -11,7 +11,7 @@ from qarl_cli.config.quant import Int8Config, W4A16Config
 from qarl_cli.quant import build_scheme
 from qarl_cli.quant.checkpoint import quantized_state
 from qarl_cli.quant.select import CheckpointPlan
-from qarl_cli.rollout.lowbit_changes import LowbitChanges
+from qarl_cli.sync.lowbit_changes import LowbitChanges
 
 PLAN = CheckpointPlan(quantized=frozenset({"a.weight", "b.weight"}), kept=())
 

@@ -128,7 +128,7 @@ def test_tied_embeddings_reach_the_engine_in_every_sync_mode(qwen3, tok, kind, q
     """Only the tied embedding moves (the output layer is the same tensor): an engine that kept its own copy of
     the output layer would fail the verify probe."""
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
-    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.sync.inplace import InplaceSync
 
     qcfg = Int8Config() if quant == "int8" else NoQuantConfig()
     scheme = build_scheme(qcfg, "cpu")

@@ -53,8 +53,6 @@ def _version(server) -> str:
 
 
 def test_pushes_over_gloo_reach_both_servers_and_a_corrupted_one_goes_back(src, gloo_pair, monkeypatch):  # noqa: F811
-    import safetensors.torch
-
     assert all(s.url.startswith(f"http://{HOST}:") for s in gloo_pair.servers)
     trainer = _trainer(src, Int8Config())
     sync = _sync(src, Int8Config(), bucket_mb=1)
@@ -71,20 +69,22 @@ def test_pushes_over_gloo_reach_both_servers_and_a_corrupted_one_goes_back(src, 
 
     # One server is sent a final norm 1.5x the trainer's (what a broken link would deliver): its checksum names
     # the tensor, and both servers are put back on version 1 (the other had taken version 2 whole).
-    load, calls = safetensors.torch.load_file, []
+    from qarl_cli.sync.client import BucketSource
 
-    def corrupt_once(path, *args, **kwargs):
-        tensors = load(path, *args, **kwargs)
-        if "model.norm.weight" in tensors and not calls:
-            calls.append(path)
-            tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.5
-        return tensors
+    read, calls = BucketSource.buckets, []
 
-    monkeypatch.setattr(safetensors.torch, "load_file", corrupt_once)
+    def corrupt_once(self):  # the buckets as the trainer reads them to broadcast
+        for tensors in read(self):
+            if "model.norm.weight" in tensors and not calls:
+                calls.append(self.paths)
+                tensors["model.norm.weight"] = tensors["model.norm.weight"] * 1.5
+            yield tensors
+
+    monkeypatch.setattr(BucketSource, "buckets", corrupt_once)
     _perturb(trainer, 2)
     with pytest.raises(WeightSyncError, match=r"1 of 2 servers.*'model\.norm\.weight'.*back on weight version 1"):
         sync.push(trainer, gloo_pair)
-    monkeypatch.setattr(safetensors.torch, "load_file", load)
+    monkeypatch.setattr(BucketSource, "buckets", read)
     assert calls and [_version(s) for s in gloo_pair.servers] == ["1", "1"]
     assert gloo_pair.score(PROBE, server=0) == gloo_pair.score(PROBE, server=1) == after
     sync.close()
@@ -123,7 +123,7 @@ def test_a_killed_server_rejoins_with_a_new_group(src, gloo_pair):  # noqa: F811
 def test_the_handshake_refuses_a_rank_0_without_the_secret(gloo_pair):
     """Whoever forms the group with a server must prove the secret the server was given over its keyed route:
     a rank 0 proving another one is refused by the server, which loads nothing."""
-    from qarl_cli.rollout import transfer_group
+    from qarl_cli.sync import group as transfer_group
 
     server = gloo_pair.servers[0]
     version = _version(server)
@@ -147,27 +147,28 @@ def test_nccl_without_a_gpu_is_one_clear_error():
     start with a line that names the option (not NCCL's traceback from inside a server)."""
     from qarl_cli.config.errors import UserError
     from qarl_cli.config.stages import VLLMServerRolloutConfig
-    from qarl_cli.rollout.channels import channel_for
+    from qarl_cli.sync.backends import Transport
 
     with pytest.raises(UserError, match="transfer_backend=nccl.*no CUDA GPU.*qarl_gloo"):
-        channel_for(VLLMServerRolloutConfig(transfer_backend="nccl"))
+        Transport(VLLMServerRolloutConfig(transfer_backend="nccl"), {})
 
 
-def test_the_nccl_channel_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
-    """What the nccl channel sends, checked against vLLM's own nccl backend: its init payload and per-bucket
-    update_info parse as NCCLWeightTransferInitInfo / NCCLWeightTransferUpdateInfo (what the server's
-    NCCLWeightTransferEngine builds from them), the pause .. resume sequence carries the version, and the group
-    receives every tensor of each bucket in the announced order, shape and dtype, with the bucket's values.
-    The GPU parts are replaced, because they cannot run here: the CUDA device and stream calls, and vLLM's
-    PyNccl communicator (its trainer_init), by a recorder with PyNcclCommunicator.broadcast's signature; the
-    server is a recorder of its routes. test_gpu_transfer.py runs the real thing on two GPUs."""
+def test_the_nccl_transport_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
+    """What the nccl transport sends through vLLM's own trainer engine (NCCLTrainerWeightTransferEngine, built by
+    WeightTransferTrainerFactory): its init payload and update_info parse as NCCLWeightTransferInitInfo /
+    NCCLWeightTransferUpdateInfo (what the server's NCCLWeightTransferEngine builds from them), the pause .. resume
+    sequence carries the version, and the group receives every tensor of every bucket in the announced order,
+    shape and dtype, with the bucket's values. The GPU parts are replaced, because they cannot run here: the CUDA
+    device and stream calls, and vLLM's PyNccl communicator (the engine's open_trainer_endpoint), by a recorder
+    with PyNcclCommunicator.broadcast's signature; the server is a recorder of its routes. test_gpu_transfer.py
+    runs the real thing on two GPUs."""
     from safetensors.torch import load_file, save_file
-    from vllm.distributed.weight_transfer import nccl_common
+    from vllm.distributed.weight_transfer import nccl_engine
     from vllm.distributed.weight_transfer.nccl_engine import (NCCLWeightTransferInitInfo,
                                                               NCCLWeightTransferUpdateInfo)
 
     from qarl_cli.config.stages import VLLMServerRolloutConfig
-    from qarl_cli.rollout.channels import channel_for
+    from qarl_cli.sync.backends import Transport
 
     class Stream:
         def synchronize(self):
@@ -184,10 +185,10 @@ def test_the_nccl_channel_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
             received.append(tensor.clone())
 
     rendezvous = []
-    monkeypatch.setattr(nccl_common, "trainer_init", lambda info, rank=0: rendezvous.append(info) or Group())
+    monkeypatch.setattr(nccl_engine, "open_trainer_endpoint", lambda info: rendezvous.append(info) or Group())
 
     class Server:  # one TP-2 server: the group is the trainer and 2 workers
-        index = 0
+        index, url = 0, "http://127.0.0.1:1"
 
         def __init__(self):
             self.calls = []
@@ -203,14 +204,16 @@ def test_the_nccl_channel_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
             if path == "/update_weights":
                 self.updates.append(NCCLWeightTransferUpdateInfo(**body["update_info"]))
 
-    channel = channel_for(VLLMServerRolloutConfig(transfer_backend="nccl"))
-    channel.device = torch.device("cpu")  # where the tensors "go" (a GPU there)
+    transport = Transport(VLLMServerRolloutConfig(transfer_backend="nccl"), {})
+    transport.device = torch.device("cpu")  # where the tensors "go" (a GPU there)
     server = Server()
     server.updates = []
-    channel.init(server, {})
+    transport.init(server)
+    assert type(transport.engines[0]) is nccl_engine.NCCLTrainerWeightTransferEngine
     assert (server.init.rank_offset, server.init.world_size, server.init.packed) == (1, 3, False)
     assert server.init.master_address == "127.0.0.1" and server.init.nccl_unique_id_b64 is None
-    assert rendezvous == [{"master_address": "127.0.0.1", "master_port": server.init.master_port, "world_size": 3}]
+    assert [(r.master_address, r.master_port, r.world_size, r.rank) for r in rendezvous] == [
+        ("127.0.0.1", server.init.master_port, 3, 0)]
 
     gen = torch.Generator().manual_seed(0)
     buckets = [{"a.weight": torch.randint(-127, 127, (4, 6), generator=gen, dtype=torch.int8),
@@ -221,9 +224,10 @@ def test_the_nccl_channel_speaks_vllms_nccl_protocol(tmp_path, monkeypatch):
     for i, bucket in enumerate(buckets):
         paths.append(tmp_path / f"qarl-sync-7-{i:05d}.safetensors")
         save_file(bucket, str(paths[-1]))
-    channel.send(server, paths, "7")
+    transport.send(server, paths, "7")
+    # vLLM's nccl protocol announces a push's tensors in one update (the worker loads each as it arrives)
     assert [c[0] for c in server.calls[1:]] == ["/pause", "/start_weight_update", "/update_weights",
-                                                "/update_weights", "/finish_weight_update", "/resume"]
+                                                "/finish_weight_update", "/resume"]
     assert server.calls[-2][1] == {"weight_version": "7"}
     sent = [(n, buckets[i][n]) for i, p in enumerate(paths) for n in load_file(str(p))]  # each file's order
     announced = [(n, d, s) for u in server.updates for n, d, s in zip(u.names, u.dtype_names, u.shapes)]

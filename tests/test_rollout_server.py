@@ -53,7 +53,7 @@ def _trainer(src, quant):
 
 def _sync(src, quant, **kw):
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
-    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.sync.inplace import InplaceSync
 
     scheme = build_scheme(quant, "cpu")
     return InplaceSync(InplaceSyncConfig(verify_every=1, **kw), scheme, plan_for(load_meta_model(src), scheme),
@@ -99,11 +99,13 @@ def test_a_server_on_another_transfer_backend_is_one_clear_error(int8_pair):
     """A server started with qarl_shm (as an attached one may be) asked to join a qarl_gloo group: one line
     naming the option, the server and the flag it needs; the server keeps serving."""
     from qarl_cli.config.errors import UserError
-    from qarl_cli.rollout.channels import NetworkChannel
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.sync.backends import Transport
 
     with pytest.raises(UserError, match=r"transfer_backend=qarl_gloo: server 0 .* refused the transfer group .*"
                                         r"weight-transfer-config '\{\"backend\":\"qarl_gloo\"\}'"):
-        NetworkChannel("qarl_gloo", "127.0.0.1", 5.0).init(int8_pair.servers[0], {})
+        Transport(VLLMServerRolloutConfig(transfer_backend="qarl_gloo", transfer_timeout_s=5.0), {}).init(
+            int8_pair.servers[0])
     assert len(int8_pair.generate(PROMPTS[:1], 1, 0.0, 1.0, 4, seed=0)) == 1
 
 

@@ -62,7 +62,7 @@ def _flat(rows):
 
 def _sync(quant, src, mode="prequantized"):
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
-    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.sync.inplace import InplaceSync
 
     scheme = build_scheme(quant, "cpu")
     return InplaceSync(InplaceSyncConfig(mode=mode, verify_every=1), scheme, plan_for(load_meta_model(src), scheme),

@@ -15,7 +15,7 @@ from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
 from qarl_cli.quant.checkpoint import load_meta_model, plan_for
 from qarl_cli.rollout.base import WeightSyncError
-from qarl_cli.rollout.sync import VERIFY_FLOOR_FACTOR, InplaceSync
+from qarl_cli.sync.inplace import VERIFY_FLOOR_FACTOR, InplaceSync
 from qarl_cli.rollout.torch_engine import TorchEngine
 
 GEN = torch.Generator().manual_seed(3)

@@ -323,7 +323,7 @@ def test_no_signal_steps_advance_the_schedule_and_push_nothing(tmp_path, monkeyp
     follows RL steps), and the unchanged weights are not pushed to the engine again."""
     from qarl_cli.reward.base import RewardResult, SampleDetail
     from qarl_cli.reward.math_verify import MathVerifyReward
-    from qarl_cli.rollout.sync import InplaceSync
+    from qarl_cli.sync.inplace import InplaceSync
     from qarl_cli.train import loop
 
     cfg = _small_cfg("steps=3", "warmup_steps=0", "lr_schedule=cosine")
@@ -552,7 +552,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", [("qarl_cli.rollout.vllm_transfer", "QarlShmWeightTransferEngine.receive_weights", 2, "sync"),
+@pytest.mark.parametrize("where", [("qarl_cli.sync.shm", "QarlShmWeightTransferEngine.receive_weights", 2, "sync"),
                                    ("qarl_cli.rollout.vllm_engine", "VLLMEngine.score", 3, "sync")],
                          ids=["reload", "verify-probe"])
 def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):

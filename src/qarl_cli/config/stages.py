@@ -88,7 +88,7 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
     request_timeout_s: float = 600.0
     restart_failed: bool = True  # a server that dies is restarted (false: dropped, the others take its requests)
     max_restarts: int = 3  # per server and run
-    # The vLLM weight-transfer backend the servers start with (rollout.channels): qarl_shm (one node: bucket files
+    # The vLLM weight-transfer backend the servers start with (sync.backends): qarl_shm (one node: bucket files
     # in host shared memory), qarl_gloo (TCP from this process: servers on any node, any machine) or nccl
     # (vLLM's own, GPU to GPU: the trainer's GPU and the servers' must differ).
     transfer_backend: str = "qarl_shm"
@@ -169,7 +169,7 @@ class InplaceSyncConfig(SyncConfig):
     """Push new weights into the running engine in place (prequantized or online)."""
 
     name: str = "inplace"
-    impl: ClassVar[str] = "qarl_cli.rollout.sync:InplaceSync"
+    impl: ClassVar[str] = "qarl_cli.sync.inplace:InplaceSync"
     # prequantized: the trainer quantizes once and sends packed low-bit tensors + scales (the paper's path);
     # online: bf16 weights are sent and the engine quantizes them.
     mode: str = "prequantized"
@@ -178,7 +178,7 @@ class InplaceSyncConfig(SyncConfig):
     # ~2e-7 unquantized fp32, ~5e-4 int8 (rounding flips in vLLM's kernels); a stale or garbled engine: >5e-2.
     verify_tolerance: float = 1e-2
     # With verify_every: also compare vLLM's /weight_checker checksums with the sent tensors', on the tensors the
-    # engine keeps as sent (measured at start-up: rollout/checksums.py); costs one hash of the served model.
+    # engine keeps as sent (measured at start-up: sync/checksums.py); costs one hash of the served model.
     checksums: bool = True
     # vLLM servers (rollout=vllm_server): weights travel in buckets of at most this many MiB, so the sender holds
     # one bucket at a time, not the model (one tensor larger than a bucket travels alone).

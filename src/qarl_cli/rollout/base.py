@@ -3,7 +3,7 @@ per-token logprob of each sampled token (`rollout_logprobs`: raw model logprobs,
 which is what the objectives compare with the trainer's), scores given sequences (the sync's verify probe), and
 takes new weights in place.
 
-Engines do not know how weights travel: the sync stage (rollout/sync.py) brings them, through vLLM's RL API to a
+Engines do not know how weights travel: the sync stage (qarl_cli.sync) brings them, through vLLM's RL API to a
 vLLM engine or as tensors to the torch engine's load_weights. They arrive as (name, tensor) in checkpoint format,
 in the format of sync.mode (one of config.stages.SYNC_MODES): `prequantized`, the scheme's packed low-bit tensors
 and scales (`quant.checkpoint.quantized_state`), which the engine uses as they are; `online`, the trainer's

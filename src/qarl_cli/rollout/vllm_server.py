@@ -1,7 +1,7 @@
 """rollout=vllm_server: `rollout.num_servers` real vLLM OpenAI servers, which qarl launches and stops, or attaches
 to (`rollout.urls`). Generation goes over HTTP with token ids in and token ids plus per-token logprobs out
 (/v1/completions with `return_token_ids` and `logprobs`), spread over the servers with a bounded number of
-requests in flight; weights arrive through vLLM's RL routes, driven by the sync (rollout.transfer).
+requests in flight; weights arrive through vLLM's RL routes, driven by the sync (sync.transfer).
 
 A server that dies mid-rollout is restarted (or dropped, `restart_failed=false`) and the requests it had not
 answered go to a live one: a request's samples are recorded once, when its answer arrives, and a request carries

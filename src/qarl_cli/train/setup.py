@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from qarl_cli.data.base import DataSource, Problem
     from qarl_cli.reward.base import RewardFn
     from qarl_cli.rollout.base import RolloutEngine
-    from qarl_cli.rollout.sync import Sync
+    from qarl_cli.sync.base import Sync
     from qarl_cli.train.distributed import Single
     from qarl_cli.train.learner import Learner
     from qarl_cli.train.loggers import Logger

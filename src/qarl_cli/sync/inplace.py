@@ -4,11 +4,11 @@ mode=prequantized (the paper's path): Wq' = Q(W') is computed once, by the train
 forward uses, and the packed low-bit tensors + scales are sent; the engine does not quantize. mode=online: the
 unquantized masters are sent and the engine quantizes them with the same scheme (half the bytes of bf16 are
 saved by prequantized on a real interconnect). For vLLM engines the weights travel as checked buckets through vLLM's
-RL API (rollout.transfer; `bucket_mb`), to an in-process engine or to every server of rollout=vllm_server.
+RL API (sync.transfer; `bucket_mb`), to an in-process engine or to every server of rollout=vllm_server.
 
 Every `verify_every` syncs a probe runs: the engine scores fixed sequences and its logprobs are compared with the
 aligned trainer's on the same tokens. Before it, on vLLM engines (`checksums`), every server's `/weight_checker`
-digests are compared with the sent tensors' wherever the engine keeps a tensor as sent (rollout.checksums); a
+digests are compared with the sent tensors' wherever the engine keeps a tensor as sent (sync.checksums); a
 mismatch puts the servers back on the previous version and names the tensor. Kernels differ by rounding (vLLM's attention and norms, int8 activation
 rounding flips), so the check is on the mean |gap| over the probe's tokens; a stale, garbled or NaN engine is
 far above any sane tolerance. How far the kernels alone put the engine depends on the model, the scheme and the
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from torch import nn
 
@@ -32,25 +32,6 @@ from qarl_cli.rollout.base import RolloutEngine, WeightSyncError
 # The verify's bound on an engine whose kernels alone put it this far from the trainer: a few times that floor
 # (the gap moves with the weights, by a fraction of itself), far below a garbled or NaN engine.
 VERIFY_FLOOR_FACTOR = 3.0
-
-
-class Sync(Protocol):
-    """The sync stage's contract (`sync` group): built as impl(cfg, scheme, plan, probe, gather=...)."""
-
-    def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
-        """Put `model`'s current weights into `engine`; metrics (time/sync, sync/*). All or nothing: a push that
-        fails leaves the engine on its previous weights and raises WeightSyncError."""
-        ...
-
-    def close(self) -> None:
-        """Release what the transport holds (the servers' bucket files)."""
-        ...
-
-    def calibrate(self, model: nn.Module, engine: RolloutEngine) -> str:
-        """Before training, while engine and trainer hold the same weights: what the engine serves now (the
-        baseline of sync/lowbit_changed_*), and what the kernels alone make of the verify's gap, so the verify's
-        bound; a line to show when it says more than sync.verify_tolerance."""
-        ...
 
 
 class InplaceSync:
@@ -68,7 +49,7 @@ class InplaceSync:
         self.tolerance = cfg.verify_tolerance  # raised by calibrate() to a few times the kernels' own floor
         self.changes = None
         if cfg.track_lowbit and scheme.quantizes_weights:
-            from qarl_cli.rollout.lowbit_changes import LowbitChanges
+            from qarl_cli.sync.lowbit_changes import LowbitChanges
 
             self.changes = LowbitChanges(scheme, plan, cfg.mode)
 
@@ -86,7 +67,7 @@ class InplaceSync:
     def push(self, model: nn.Module, engine: RolloutEngine) -> dict[str, float]:
         """Send `model`'s weights to `engine`; metrics `time/sync` (and the probe's gaps when it ran). A failed
         verify raises WeightSyncError after the load. vLLM engines, in this process or servers (an engine with
-        weight_receivers), get them through vLLM's RL API (rollout.transfer); the torch engine takes the tensors
+        weight_receivers), get them through vLLM's RL API (sync.transfer); the torch engine takes the tensors
         (load_weights)."""
         start = time.perf_counter()
         weights = self.weights(model)  # under torchrun the other ranks gather in here, in step with rank 0's reads
@@ -120,7 +101,7 @@ class InplaceSync:
         if getattr(self, "transfer", None) is None or self.transfer.engine is not engine:
             from dataclasses import asdict
 
-            from qarl_cli.rollout.transfer import RLApiTransfer
+            from qarl_cli.sync.transfer import RLApiTransfer
 
             online = ({"quant": asdict(self.scheme.cfg), "source": str(engine.source)}
                       if self.cfg.mode == "online" else None)
