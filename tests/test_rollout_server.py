@@ -257,3 +257,62 @@ def test_asynchronous_rollouts_over_two_servers(tmp_path):
     synced = [s for s in (1, 2, 3) if "sync/verify_gap_mean" in steps[s]]
     assert synced  # at least one step had signal and pushed
     assert all(steps[s]["sync/checksummed"] == 25 for s in synced)
+    # the servers' logs are the run's, and outlive it (they used to be in the engine's scratch, removed at exit)
+    assert all("Starting vLLM" in (run / f"server-{i}.log").read_text() for i in (0, 1))
+
+
+def test_an_unreachable_url_fails_in_seconds_naming_it(src):
+    """Nothing listens at the attached URL: one line naming it and the option, after the attach grace, not the
+    start-up timeout (600 s)."""
+    from qarl_cli.config.errors import UserError
+    from qarl_cli.rollout.server_process import ATTACH_GRACE_S
+
+    start = time.monotonic()
+    with pytest.raises(UserError, match=r"nothing answers at http://127\.0\.0\.1:1 \(rollout\.urls\[0\]: "
+                                        r"connection refused"):
+        _engine(src, NoQuantConfig(), urls=["http://127.0.0.1:1"])
+    assert time.monotonic() - start < ATTACH_GRACE_S + 30
+
+
+def test_a_mismatched_run_is_refused_before_anything_reaches_the_server(src, int8_pair):
+    """A run of another quant, transfer backend or key attaching to an int8 server is refused in one line naming
+    the option and both values; the server then answers a known prompt with the logprobs it gave before."""
+    from qarl_cli.config.errors import UserError
+
+    server = int8_pair.servers[0]
+    before = int8_pair.score(PROBE, server=0)
+    common = {"urls": [server.url], "api_key": int8_pair.key}
+    with pytest.raises(UserError, match=r"server 0 .* serves quant=int8 \(this run: none\).*nothing was sent"):
+        _engine(src, NoQuantConfig(), **common)
+    with pytest.raises(UserError, match=r"transfer backend qarl_shm, this run's rollout\.transfer_backend=qarl_gloo"):
+        _engine(src, Int8Config(), **common, transfer_backend="qarl_gloo")
+    with pytest.raises(UserError, match=r"refused the run's key: set rollout\.api_key"):
+        _engine(src, Int8Config(), urls=[server.url], api_key="not-the-key")
+    moe = ensure_tiny_model(TinyModelConfig(name="tiny_moe", num_experts=4, num_experts_per_tok=2,
+                                            cache_dir=str(src.parent), warm_start_steps=0), log=lambda _: None)
+    with pytest.raises(UserError, match=r"serves model=tiny_arith-\w+ \(this run: tiny_moe-\w+\), quant=int8 "
+                                        r"\(this run: none\)"):
+        _engine(moe, NoQuantConfig(), **common)
+    # The same model and quant, but the module's earlier tests pushed weights into it: another run's weights.
+    # (A server at its start-up weights passes: every launched server of this file went through the same check.)
+    version = int8_pair.servers[0].get("/weight_info")["weight_version"]
+    if version not in (None, "0", "default"):
+        with pytest.raises(UserError, match=rf"serves weight version {version}, another run's pushed weights"):
+            _engine(src, Int8Config(), **common)
+    assert int8_pair.score(PROBE, server=0) == before
+
+
+def test_more_servers_than_cores_is_refused_before_any_starts(src, tmp_path):
+    """Each launched server needs a core of its own: num_servers above the cores this process may use, or a device
+    list naming a core it may not, is one line before any server process exists (100 servers on 2 cores used to
+    start them all)."""
+    from qarl_cli.config.errors import UserError
+
+    cores = sorted(os.sched_getaffinity(0))
+    with pytest.raises(UserError, match=rf"rollout\.num_servers={len(cores) + 1}: this process may use "
+                                        rf"{len(cores)} cores .* at most {len(cores)}"):
+        _engine(src, NoQuantConfig(), num_servers=len(cores) + 1)
+    missing = max(cores) + 1
+    with pytest.raises(UserError, match=rf"rollout\.devices=\['{cores[0]}', '{missing}'\]: core {missing} is not "
+                                        "one this process may use"):
+        _engine(src, NoQuantConfig(), num_servers=2, devices=[str(cores[0]), str(missing)])

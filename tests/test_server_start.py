@@ -36,7 +36,7 @@ def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
     from qarl_cli.config.stages import VLLMServerRolloutConfig
     from qarl_cli.models.tiny import ensure_tiny_model
     from qarl_cli.rollout.server_process import Server, _free_port
-    from qarl_cli.rollout.vllm_server import server_command
+    from qarl_cli.rollout.server_launch import server_command
 
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
                             log=lambda _: None)
@@ -46,7 +46,7 @@ def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
     port = _free_port("127.0.0.1")
     cmd, env = server_command(VLLMServerRolloutConfig(), bad, port, "key", dtype="float32", seed=0,
-                              max_model_len=64, on_gpu=False)
+                              max_model_len=64, on_gpu=False, identity="qarl:model=bad")
     server = Server(0, f"http://127.0.0.1:{port}", "key", cmd, env, tmp_path / "server-0.log")
     try:
         with pytest.raises(UserError) as e:

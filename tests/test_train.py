@@ -72,23 +72,26 @@ def _plot(run_dir) -> set:
     return set(plot.stdout.strip().split(": ", 1)[1].split(", "))
 
 
-# `python -c KILL_AT_ROLLOUT_AFTER FILE N train ...`: qarl train that SIGKILLs itself in the N-th rollout
-# (rollout=vllm) that starts once FILE exists.
+# `python -c KILL_AT_ROLLOUT_AFTER FILE N MODULE:CLASS train ...`: qarl train that SIGKILLs itself in the N-th
+# rollout (CLASS.generate of the engine, qarl_cli.rollout.vllm_engine:VLLMEngine by default) that starts once FILE
+# exists.
 KILL_AT_ROLLOUT_AFTER = """
-import os, signal, sys
+import importlib, os, signal, sys
 from pathlib import Path
 from qarl_cli.cli import main
-from qarl_cli.rollout.vllm_engine import VLLMEngine
-marker, n, generate, seen = Path(sys.argv[1]), int(sys.argv[2]), VLLMEngine.generate, []
+module, name = sys.argv[3].split(":")
+Engine = getattr(importlib.import_module(module), name)
+marker, n, generate, seen = Path(sys.argv[1]), int(sys.argv[2]), Engine.generate, []
 def generate_or_die(self, *args, **kwargs):
     if marker.is_file():
         seen.append(1)
         if len(seen) == n:
             os.kill(os.getpid(), signal.SIGKILL)
     return generate(self, *args, **kwargs)
-VLLMEngine.generate = generate_or_die
-sys.exit(main(sys.argv[3:]))
+Engine.generate = generate_or_die
+sys.exit(main(sys.argv[4:]))
 """
+VLLM_ENGINE = "qarl_cli.rollout.vllm_engine:VLLMEngine"
 
 
 @pytest.mark.slow
@@ -99,7 +102,7 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_metrics(tmp_path):
     ckpt = killed / "checkpoints" / "step_000002" / "trainer.pt"
     # The run kills itself in step 4's rollout: the second one after checkpoint 2 is complete (whatever the
     # speed), so step 3 is logged but not checkpointed, and will run again.
-    proc = subprocess.run([sys.executable, "-c", KILL_AT_ROLLOUT_AFTER, str(ckpt), "2", "train", *SMALL,
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_ROLLOUT_AFTER, str(ckpt), "2", VLLM_ENGINE, "train", *SMALL,
                            f"hydra.run.dir={killed}", *args], capture_output=True, text=True, timeout=600,
                           env=os.environ)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -627,3 +630,21 @@ def test_asynchronous_rollouts_train_on_batches_one_update_old(tmp_path):
     assert [lag[s]["rollout/staleness_mean"] for s in range(1, 5)] == [0, 1, 1, 1]
     assert [lag[s]["rollout/weight_version"] for s in range(1, 5)] == [0, 0, 1, 2]
     assert lag[1]["reward/mean"] == sync[1]["reward/mean"] and lag[1]["response/len_mean"] == sync[1]["response/len_mean"]
+
+    # Killed after checkpoint 2, while step 4's batch was being generated, and resumed: the checkpoint kept step
+    # 3's batch (generated ahead by weight version 1), so the resumed steps are the unbroken run's (staleness 0, 1,
+    # 1, 1, not 0, 1, 0, 1), batches and all.
+    killed = tmp_path / "killed"
+    args = ["rollout=torch", "steps=4", "eval_every=0", "checkpoint_every=1", "rollout.max_staleness=1"]
+    ckpt = killed / "checkpoints" / "step_000002" / "trainer.pt"
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_ROLLOUT_AFTER, str(ckpt), "1",
+                           "qarl_cli.rollout.torch_engine:TorchEngine", "train", *SMALL, f"hydra.run.dir={killed}",
+                           *args], capture_output=True, text=True, timeout=600, env=os.environ)
+    assert proc.returncode == -signal.SIGKILL and ckpt.is_file(), proc.stderr[-3000:]
+    assert not (killed / "checkpoints" / "step_000004").exists()
+    resumed = _train(killed, *args, "resume=true")
+    again = _metrics(killed)
+    assert "generated again" not in resumed.stdout
+    for s in (3, 4):
+        for key in ("rollout/staleness_mean", "rollout/weight_version", "reward/mean", "response/len_mean"):
+            assert again[s][key] == lag[s][key], (s, key)

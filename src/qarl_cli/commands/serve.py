@@ -27,7 +27,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
     from qarl_cli.quant.checkpoint import write_checkpoint
     from qarl_cli.rollout.server_auth import KEY_ENV
     from qarl_cli.rollout.server_process import Server, _free_port
-    from qarl_cli.rollout.vllm_server import server_command
+    from qarl_cli.rollout.server_launch import server_command
 
     from qarl_cli.capabilities import require_served
 
@@ -48,8 +48,11 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
             f.write(key + "\n")
     port = rollout.base_port or _free_port(rollout.host)
     on_gpu = torch.cuda.is_available() and cfg.device != "cpu"
+    from qarl_cli.rollout.server_check import identity
+
     cmd, env = server_command(rollout, served, port, key, dtype=dtype, seed=cfg.seed,
-                              max_model_len=rollout.max_model_len, on_gpu=on_gpu)
+                              max_model_len=rollout.max_model_len, on_gpu=on_gpu,
+                              identity=identity(src, served, scheme.name))
     url = f"http://{rollout.host}:{port}"
     server = Server(0, url, key, cmd, env, run_dir / "server.log", rollout.request_timeout_s)
     try:

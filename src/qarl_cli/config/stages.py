@@ -66,6 +66,24 @@ def _url_host(url: str) -> str:
     return urlsplit(str(url)).hostname or ""
 
 
+def _url_error(url: str) -> Optional[str]:
+    """Why `url` is not a server's address (http or https, a host, a port), or None."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(str(url))
+        port = parts.port
+    except ValueError as e:  # a port out of range or not a number
+        return f"not a server address ({e})"
+    if parts.scheme not in ("http", "https"):
+        return "needs the scheme http:// or https:// (a vLLM server's address, e.g. http://10.0.0.5:8000)"
+    if not parts.hostname:
+        return "has no host"
+    if port is None:
+        return "has no port (vLLM servers listen on one, e.g. :8000)"
+    return None
+
+
 @dataclass
 class VLLMServerRolloutConfig(VLLMRolloutConfig):
     """num_servers real vLLM servers (`vllm serve`'s OpenAI server) that qarl launches and stops, or attaches to
@@ -118,6 +136,8 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
         require(self.transfer_host in LOOPBACK_HOSTS or bool(self.api_key), "transfer_host", self.transfer_host,
                 "is not a loopback address: set rollout.api_key (the transfer groups' secrets travel over the "
                 "servers' keyed routes)")
+        for url in self.urls:
+            require(_url_error(url) is None, "urls", list(self.urls), f"{url!r}: {_url_error(url)}")
         remote = [u for u in self.urls if _url_host(u) not in LOOPBACK_HOSTS] + [""]
         require(not (remote[0] and self.transfer_backend == "qarl_shm"), "transfer_backend", self.transfer_backend,
                 f"reaches only servers on this node (bucket files in its shared memory), and {remote[0]} may be on "

@@ -96,14 +96,16 @@ class RolloutEngine(Protocol):
 
 def build_engine(cfg, model_dir: Path, scheme, *, dtype: str = "bfloat16",
                  seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
-                 workdir: Optional[Path] = None) -> RolloutEngine:
+                 workdir: Optional[Path] = None, log_dir: Optional[Path] = None) -> RolloutEngine:
     """The engine of `rollout=cfg.name` serving the unquantized checkpoint `model_dir` quantized with `scheme`.
     max_model_len: the longest prompt + response the run needs. workdir: where an engine may write the
-    quantized checkpoint it starts from (a temporary directory when None)."""
+    quantized checkpoint it starts from (a temporary directory when None). log_dir: where the servers' logs go
+    (the run directory: they outlive the run; None: beside the checkpoint, removed with it)."""
     from qarl_cli.stages import resolve
 
     return resolve("rollout", cfg.name)(cfg, Path(model_dir), scheme, dtype=dtype, seed=seed,
-                                        max_model_len=max_model_len, device=device, workdir=workdir)
+                                        max_model_len=max_model_len, device=device, workdir=workdir,
+                                        log_dir=log_dir)
 
 
 def context_length(cfg: Any, model_dir: Path) -> int:

@@ -41,6 +41,19 @@ def first_exception(log: str, limit: int = 400) -> str:
     return lines[-1].strip() if lines else "an empty log"
 
 
+ATTACH_GRACE_S = 10.0  # how long an attached server may refuse connections before the run gives up on it
+
+
+def _reason(e: Exception) -> str:
+    """A connection error's cause in a few words (requests nests the socket error deep in its message)."""
+    text = str(e)
+    for needle, words in (("Connection refused", "connection refused"), ("Name or service not known", "no such host"),
+                          ("No route to host", "no route to host"), ("timed out", "connection timed out")):
+        if needle in text:
+            return words
+    return type(e).__name__
+
+
 class ServerDied(RuntimeError):
     """A server stopped answering (its process exited, the connection was refused or reset)."""
 
@@ -104,6 +117,7 @@ class Server:
         self.timeout = timeout
         self.headers = {"Authorization": f"Bearer {key}"}
         self.proc: Optional[subprocess.Popen] = None
+        self.stopped = False  # stop() was called: a start under way gives up (Ctrl-C during start-up)
         self.local = threading.local()  # one HTTP session per thread
         self.restarts = 0
         self._requests = requests
@@ -114,28 +128,42 @@ class Server:
         return self.local.session
 
     def start(self, startup_timeout: float) -> None:
+        self.stopped = False
         if self.command is None:
             self.wait_healthy(startup_timeout)
             return
         with open(self.log, "ab") as out:
             self.proc = _Launcher.popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL)
+        if self.stopped:  # stopped while it was being launched
+            self.stop()
         self.wait_healthy(startup_timeout)
 
     def alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None
 
     def wait_healthy(self, timeout: float) -> None:
+        """Until /health answers 200. A server qarl started may take `timeout` (loading); an attached one that
+        nothing answers for at any attempt over ATTACH_GRACE_S (connection refused, no such host) is not coming."""
         deadline = time.monotonic() + timeout
+        unreachable_since: Optional[float] = None
         while True:
+            if self.stopped:
+                raise UserError(f"{NAME}: server {self.index} ({self.url}) was stopped while starting")
             if not self.alive():
                 raise UserError(f"{NAME}: server {self.index} ({self.url}) exited with code {self.proc.returncode} "
                                 f"while starting: {self.root_cause()} (log: {self.log})")
             try:
                 if self.session().get(f"{self.url}/health", timeout=5).status_code == 200:
                     return
-            except self._requests.RequestException:
-                pass
+                unreachable_since = None  # it answers: starting
+            except self._requests.RequestException as e:
+                if self.command is None:
+                    unreachable_since = unreachable_since or time.monotonic()
+                    if time.monotonic() - unreachable_since > ATTACH_GRACE_S:
+                        raise UserError(f"{NAME}: nothing answers at {self.url} (rollout.urls[{self.index}]: "
+                                        f"{_reason(e)} for {ATTACH_GRACE_S:.0f} s); start the server first "
+                                        "(qarl serve) or fix the address") from None
             if time.monotonic() > deadline:
                 raise UserError(f"{NAME}: server {self.index} ({self.url}) not healthy after {timeout:.0f} s "
                                 f"(rollout.startup_timeout_s)" + (f"; the last lines of {self.log}:\n{self.tail()}"
@@ -180,6 +208,7 @@ class Server:
         return r.json() if r.content else None
 
     def stop(self, grace: float = 15.0) -> None:
+        self.stopped = True
         proc, self.proc = self.proc, None
         if proc is None or proc.poll() is not None:
             return

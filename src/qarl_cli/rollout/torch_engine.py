@@ -36,7 +36,7 @@ class TorchEngine:
     name = "torch"
 
     def __init__(self, cfg: TorchRolloutConfig, model_dir: Path, scheme, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None,
-                 device: str = "auto", workdir: Optional[Path] = None) -> None:
+                 device: str = "auto", workdir: Optional[Path] = None, log_dir: Optional[Path] = None) -> None:
         """seed: unused, every generate call is seeded on its own. max_model_len: unused, the cache grows as
         needed. workdir: unused, nothing is written."""
         from transformers import AutoModelForCausalLM

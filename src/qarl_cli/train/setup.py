@@ -42,6 +42,9 @@ class Run:
     start_step: int = 0
     resumed_from: Optional[Path] = None
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    # what the checkpoint recorded of the rollouts (train.rollouts.Rollouts.record); None: nothing (a fresh run, or a
+    # checkpoint written on a stop)
+    rollouts_saved: Optional[dict] = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -104,13 +107,15 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     model = load_model(weights, dtype=getattr(torch, cfg.model.dtype))  # files complete, weights finite
     model = resolve("forward", cfg.forward.name)(cfg.forward, scheme).apply(model.to(device))
     learner = Learner(dist.shard(model), cfg, resolve("algorithm", cfg.algorithm.name), device, dist)
-    start = load_trainer_state(ckpt, learner)["step"] if ckpt else 0
+    saved = load_trainer_state(ckpt, learner) if ckpt else {}
+    start = saved.get("step", 0)
     if ckpt:
         rundir.tidy_for_resume(run_dir, start, cfg.logger.metrics_file, dist.main)
 
     stack = contextlib.ExitStack()
     try:  # rank 0 runs the engine and the reward; under torchrun the others get what they return
-        engine = dist.main_only(lambda: _start_engine(cfg, weights, scheme, context, device.type), send=False)
+        engine = dist.main_only(lambda: _start_engine(cfg, weights, scheme, context, device.type, run_dir),
+                                send=False)
         engine = MainEngine(dist, engine) if dist.world > 1 else engine
         stack.callback(engine.close)
         reward = dist.main_only(lambda: resolve("reward", cfg.reward.name)(cfg.reward), send=False)
@@ -127,17 +132,19 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
         stack.close()
         raise
     return Run(cfg, run_dir, source, tokenizer, splits, test_prompts, context, learner, engine, reward, sync,
-               logger, dist, start, ckpt, stack)
+               logger, dist, start, ckpt, stack, saved.get("rollouts"))
 
 
-def _start_engine(cfg: TrainConfig, weights: Path, scheme: Any, context: int, device: str) -> "RolloutEngine":
+def _start_engine(cfg: TrainConfig, weights: Path, scheme: Any, context: int, device: str,
+                  run_dir: Path) -> "RolloutEngine":
     """The rollout engine serving `weights`. vLLM rejects what it cannot serve with a ValueError (its config
     checks: memory, lengths, dtypes): that is reported in one line; anything else is a bug, with its traceback."""
     from qarl_cli.rollout.base import build_engine
 
     try:
         return build_engine(cfg.rollout, weights, scheme, dtype=cfg.model.dtype,
-                            seed=cfg.seed, max_model_len=context, device=device, workdir=None)
+                            seed=cfg.seed, max_model_len=context, device=device, workdir=None,
+                            log_dir=run_dir)
     except ValueError as e:
         if isinstance(e, UserError):
             raise
