@@ -95,6 +95,22 @@ def _compose_error(err: BaseException) -> str:
     return one_line(err)
 
 
+def _scrub_record(typed: Any, run_dir: Path) -> None:
+    """Hydra wrote the composed config and the overrides (a key given on the command line among them) before the
+    job started: the key is replaced by the fact that one was set (config.secrets)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from qarl_cli.config import secrets
+
+    hc = HydraConfig.get()
+    files = [run_dir / str(hc.output_subdir) / f for f in ("config.yaml", "overrides.yaml", "hydra.yaml")] \
+        if hc.output_subdir else []
+    if hc.mode == RunMode.MULTIRUN:
+        files.append(Path(hc.sweep.dir) / "multirun.yaml")
+    secrets.scrub_files(files, secrets.values(typed))
+
+
 def _run_hydra(command: str, args: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -110,6 +126,7 @@ def _run_hydra(command: str, args: list[str]) -> int:
             raise SystemExit(EXIT_USAGE) from None
         impl = importlib.import_module(f"qarl_cli.commands.{command}")
         run_dir = Path(HydraConfig.get().runtime.output_dir)
+        _scrub_record(typed, run_dir)
         try:
             codes.append(int(impl.run(typed, run_dir) or 0))
         except UserError as e:  # a bad path, file or value found at run time: one line, no traceback

@@ -121,10 +121,13 @@ def remove_partial_checkpoints(run_dir: Path) -> None:
 
 
 def config_dict(cfg: Any) -> dict:
-    """A validated TrainConfig as plain JSON-able data (what check_resume compares)."""
+    """A validated TrainConfig as plain JSON-able data, secrets redacted (what a checkpoint records, check_resume
+    compares and the loggers get)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(OmegaConf.structured(cfg))
+    from qarl_cli.config.secrets import redact
+
+    return redact(OmegaConf.to_container(OmegaConf.structured(cfg)))
 
 
 def _step(line: str) -> Optional[int]:

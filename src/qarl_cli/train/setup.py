@@ -67,7 +67,6 @@ class Run:
 
 def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     """dist: train.distributed's view of the ranks (None: one process)."""
-    from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
     from qarl_cli.data.prompts import check_lengths, encode
@@ -126,7 +125,7 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
                                               gather=_gatherer(dist) if dist.world > 1 else None)
         stack.callback(sync.close)
         logger = (resolve("logger", cfg.logger.name) if dist.main else NullLogger)(
-            cfg.logger, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+            cfg.logger, run_dir, rundir.config_dict(cfg))
         stack.callback(logger.close)
     except BaseException:
         stack.close()
