@@ -44,6 +44,9 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
     run = tmp_path / "run"
     out = _train(run, "steps=3", "eval_every=3", "checkpoint_every=2", "rollout=torch", "logger=wandb")
     assert "step 3/3" in out.stdout and "avg@2" in out.stdout
+    # a step's line is one line when the output is not a terminal (rich wrapped it at 80 columns)
+    steps = [line for line in out.stdout.splitlines() if line.startswith("[qarl] step ")]
+    assert len(steps) == 3 and all(line.rstrip().endswith(")") and ", len " in line for line in steps), steps
     m = _metrics(run)
     assert sorted(m) == [0, 1, 2, 3]
     for key in ("reward/mean", "mismatch/k3_kl", "error_tokens/repeat_frac", "time/rollout", "time/sync",

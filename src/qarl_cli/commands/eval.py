@@ -29,7 +29,7 @@ def run(cfg: EvalConfig, run_dir: Path) -> int:
     from qarl_cli.capabilities import require_served
 
     require_served(cfg)
-    console = Console(markup=False, highlight=False)
+    console = Console(markup=False, highlight=False, soft_wrap=True)
     path = model_dir(cfg.model, log=console.print)
     check_checkpoint(path)  # complete files, finite weights: a diverged run's checkpoint is not evaluated to 0 %
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -23,7 +23,7 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
     """dist: train.distributed's view of the torchrun ranks (None: one process); rank 0 prints and logs."""
     from qarl_cli.train import failures, report, setup, state
 
-    console = Console(markup=False, highlight=False, quiet=bool(dist and not dist.main))
+    console = Console(markup=False, highlight=False, soft_wrap=True, quiet=bool(dist and not dist.main))
     run = setup.build(cfg, run_dir, log=console.print, dist=dist)
     with run, Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                        console=console, transient=True) as bar:
