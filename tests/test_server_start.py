@@ -57,3 +57,48 @@ def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
     assert "\n" not in message and "See root cause above" not in message
     assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in message, message
     assert str(tmp_path / "server-0.log") in message
+
+
+CTRL_C_DURING_START = """
+import os, sys, types
+from pathlib import Path
+from qarl_cli.rollout.server_process import Server, _free_port
+from qarl_cli.rollout.vllm_server import ServerEngine
+out = Path(sys.argv[1])
+never_healthy = [sys.executable, "-c", "import time; time.sleep(600)"]  # a server that never answers /health
+servers = [Server(i, f"http://127.0.0.1:{_free_port('127.0.0.1')}", "key", never_healthy, dict(os.environ),
+                  out / f"server-{i}.log") for i in range(2)]
+engine = types.SimpleNamespace(servers=servers, cfg=types.SimpleNamespace(startup_timeout_s=600.0))
+try:
+    ServerEngine._start_all(engine)
+except KeyboardInterrupt:
+    for s in servers:
+        s.stop(grace=1.0)
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_during_start_up_is_honoured_at_once(tmp_path):
+    """Ctrl-C while servers start (here: processes that never become healthy, within a 600 s start-up timeout):
+    the start is given up and the servers stopped at once, instead of waiting for every server to be healthy or
+    to time out (the start-up pool used to be joined before the interrupt could be handled)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", CTRL_C_DURING_START, str(tmp_path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"server-{i}.log").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # both servers launched
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=60)  # far below the 600 s the start would otherwise wait
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("Ctrl-C during start-up was not honoured within 60 s")
+    assert "interrupted" in out, err[-2000:]
+    left = subprocess.run(["pgrep", "-f", "import time; time.sleep(600)"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
