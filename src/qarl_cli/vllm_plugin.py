@@ -23,9 +23,18 @@ def register() -> None:
     from qarl_cli.sync.backends import register_trainer_engines
 
     register_trainer_engines()
-    # Every reload warns "RotaryEmbedding: Failed to load weights": its cos/sin cache is not a checkpoint tensor
-    # and is put back as it was, which is right. Keep the per-step log readable.
-    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+    # Every reload warns "RotaryEmbedding: Failed to load weights", which reads like a failed sync and is a
+    # success: vLLM counts a layer's non-persistent buffers as loadable (reload.utils.get_layer_size), the rotary
+    # embedding's cos/sin cache is one and no checkpoint holds it, so the reload finds it "not loaded" and puts it
+    # back as it was (layerwise.finalize_layerwise_processing), which is right. Only that line is dropped (another
+    # layer's failure still shows), by a filter: vLLM re-applies its logging config when an engine starts, which
+    # resets the levels of its loggers but keeps their filters.
+    logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
     from qarl_cli.vllm_fixes import install_cpu_fixes
 
     install_cpu_fixes()
+
+
+class _RotaryReloadFilter:
+    def filter(self, record) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
