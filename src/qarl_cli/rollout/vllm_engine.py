@@ -21,7 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from qarl_cli.config.stages import VLLMRolloutConfig
-from qarl_cli.rollout.base import RolloutBatch
+from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
@@ -184,6 +184,11 @@ class VLLMEngine:
 
     def weight_receivers(self) -> list["LocalReceiver"]:
         return [LocalReceiver(self.llm)]
+
+    def retire(self, receiver: "LocalReceiver", why: str) -> str:
+        """The in-process engine cannot be restarted or left out: its weights are unknown, the run cannot go on."""
+        raise WeightSyncError(f"sync: the in-process engine {why}; its weights are in an unknown state: resume "
+                              "the run from its last checkpoint (resume=true)")
 
     def sleep(self) -> None:
         # Level 1 keeps a CPU copy of the weights and drops the KV cache: wake_up restores the weights as they

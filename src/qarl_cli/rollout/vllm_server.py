@@ -211,6 +211,18 @@ class ServerEngine:
     def weight_receivers(self) -> list[Server]:
         return list(self.live)
 
+    def retire(self, server: Server, why: str) -> str:
+        """Take an attached server that a failed push left in an unknown state out of this run's use (it stays
+        paused, so no client samples from it); the line that says so."""
+        with self.changed:
+            if server in self.live:
+                self.live.remove(server)
+            self.changed.notify_all()
+        line = (f"server {server.index} ({server.url}) {why}: taken out of this run's use and left paused for "
+                "every client; restart it, or POST /resume with the key if you know its weights are sound")
+        log.warning("%s: %s", NAME, line)
+        return line
+
     def sleep(self) -> None:
         pass  # separate servers: the trainer's memory is not theirs
 

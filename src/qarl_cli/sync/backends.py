@@ -9,8 +9,9 @@ trainer-side transfer engine, built by vLLM's `WeightTransferTrainerFactory` fro
 A network backend's group is per server, formed at the server's first /init_weight_transfer_engine, and formed
 again after the server restarts or a send through it failed (the other end may be waiting in a collective that
 will never come): rank 0 is this process, the server's workers follow. qarl_shm holds no connection, so its engine
-outlives a failed send. Around each round the server is paused (in-flight requests finish first) and resumed
-whatever happened: vLLM's trainer engines drive the update, not the serving."""
+outlives a failed send. Around each round the server is paused (in-flight requests finish first); it is resumed
+when the round succeeded. A failed round leaves it paused, for every client: the rollback's round resumes it, and a
+server that cannot be put back stays paused (sync.transfer): half-loaded weights never serve a request."""
 
 from __future__ import annotations
 
@@ -109,8 +110,7 @@ class Transport:
             if not getattr(engine, "stateless", False):
                 self.drop(server)
             raise
-        finally:
-            server.post("/resume")
+        server.post("/resume")
 
     def drop(self, server: Any) -> None:
         engine = self.engines.pop(server.index, None)

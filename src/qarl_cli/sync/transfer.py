@@ -9,8 +9,10 @@ every bucket is written does any server hear of it; then each server, in paralle
 When the sync's verify is due, every server's `/weight_checker` checksums are then compared with the digests of
 the sent tensors it keeps as sent (sync.checksums); a server holding anything else counts as failed.
 If any server fails any of these, every server is put back on the previous version (its buckets, kept until the
-next push succeeds, are sent again; a server that cannot take them is restarted, which before the first push is
-the start-up checkpoint): never half-updated. vLLM's RL API has no rollback of its own: this is qarl's."""
+next push succeeds, are sent again; a launched server that cannot take them is restarted, which before the first
+push is the start-up checkpoint): never half-updated. An attached server that cannot be put back (qarl cannot
+restart it) is taken out of the run's use and left paused, so that no client samples from its half-loaded weights,
+and the error says so. vLLM's RL API has no rollback of its own: this is qarl's."""
 
 from __future__ import annotations
 
@@ -88,13 +90,14 @@ class RLApiTransfer:
         if not errors and sent:
             errors = self._compare(servers, sent)
         if errors:
-            self._roll_back(servers)
+            retired = self._roll_back(servers)
             for p in paths:
                 p.unlink(missing_ok=True)
             first = next(iter(errors.values()))
+            back = f"every server was put back on weight version {self.version}" if not retired else (
+                f"{'; '.join(retired)}; the others were put back on weight version {self.version}")
             raise WeightSyncError(f"sync: {len(errors)} of {len(servers)} servers failed the weight update "
-                                  f"(server {next(iter(errors))}: {first}); every server was put back on weight "
-                                  f"version {self.version}")
+                                  f"(server {next(iter(errors))}: {first}); {back}")
         for p in self.current:
             p.unlink(missing_ok=True)
         self.current, self.version = paths, version
@@ -129,20 +132,24 @@ class RLApiTransfer:
                 results = list(pool.map(one, servers))
         return {s.index: r for s, r in zip(servers, results) if r is not None}
 
-    def _roll_back(self, servers: list) -> None:
+    def _roll_back(self, servers: list) -> list[str]:
+        """Every server back on the current version; what was said of those that could not be (taken out of use)."""
+        retired = []
         for server in servers:
+            why = "no earlier version of this run to send"
             if self.current:
                 try:
                     self.transport.send(server, self.current, self.version)
                     continue
-                except Exception:  # noqa: BLE001 - then a restart, which replays
-                    pass
-            if server.command is None:
-                raise RuntimeError(f"sync: the engine ({server.url}) failed half-way through its first weight "
-                                   "update and qarl cannot restart it; restart the run from its last checkpoint")
+                except Exception as e:  # noqa: BLE001 - then a restart, which replays
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            if server.command is None:  # attached: qarl cannot restart it; the failed round left it paused
+                retired.append(self.engine.retire(server, f"could not be put back ({why})"))
+                continue
             server.stop()
             server.start(self.engine.cfg.startup_timeout_s)
             self.replay(server)
+        return retired
 
     def replay(self, server: Any) -> None:
         """Bring a (re)started server to the current version."""
