@@ -2,6 +2,7 @@
 "Engine core initialization failed. See root cause above.", so the last lines hold only that)."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -137,3 +138,15 @@ def test_a_port_already_taken_is_named_in_one_line(tmp_path):
     assert "\n" not in message and "See root cause above" not in message
     assert "Address already in use" in message, message
     assert str(tmp_path / "server-0.log") in message
+
+
+def test_a_launched_server_logs_to_its_own_file_not_the_run_s_engine_log(monkeypatch, tmp_path):
+    """qarl train points its own vLLM records at <run dir>/engine.log through VLLM_LOGGING_CONFIG_PATH; a server
+    must not inherit it, or its lines (and the exception a failed start is explained by) leave server-N.log."""
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.rollout.server_launch import server_command
+
+    monkeypatch.setenv("VLLM_LOGGING_CONFIG_PATH", str(tmp_path / "vllm_logging.json"))
+    _, env = server_command(VLLMServerRolloutConfig(), tmp_path, 8000, "key", dtype="float32", seed=0,
+                            max_model_len=64, on_gpu=False, identity="qarl:model=x")
+    assert "VLLM_LOGGING_CONFIG_PATH" not in env and env["PATH"] == os.environ["PATH"]

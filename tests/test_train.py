@@ -67,6 +67,15 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
     assert (run / "curves.png").stat().st_size > 10_000
 
 
+def _library_lines(text: str) -> list[str]:
+    """Log lines of vLLM (its format: `LEVEL mm-dd hh:mm:ss [file.py:N]`, or Hydra's `[time][vllm...][LEVEL]`) and
+    of other libraries through Hydra's format."""
+    import re
+
+    return [line for line in text.splitlines()
+            if re.search(r"\b(DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d \[|\]\[(?!qarl)[\w.]+\]\[(INFO|WARNING)\]", line)]
+
+
 def _plot(run_dir) -> set:
     """Run scripts/plot_run.py on a run directory; the curves it says it drew."""
     plot = subprocess.run([sys.executable, "scripts/plot_run.py", str(run_dir)], capture_output=True, text=True,
@@ -100,7 +109,12 @@ VLLM_ENGINE = "qarl_cli.rollout.vllm_engine:VLLMEngine"
 @pytest.mark.slow
 def test_resume_after_sigkill_reaches_the_uninterrupted_metrics(tmp_path):
     args = ["steps=4", "checkpoint_every=2", "eval_every=0"]
-    _train(tmp_path / "straight", *args)
+    straight_out = _train(tmp_path / "straight", *args)
+    # vLLM's log lines went to the run's engine.log, not to the console (where 571 of 1,338 lines were vLLM's)
+    assert not _library_lines(straight_out.stdout + straight_out.stderr), \
+        _library_lines(straight_out.stdout + straight_out.stderr)[:5]
+    engine_log = (tmp_path / "straight" / "engine.log").read_text()
+    assert len(_library_lines(engine_log)) > 10 and "vllm" in engine_log
     killed = tmp_path / "killed"
     ckpt = killed / "checkpoints" / "step_000002" / "trainer.pt"
     # The run kills itself in step 4's rollout: the second one after checkpoint 2 is complete (whatever the
@@ -117,7 +131,8 @@ def test_resume_after_sigkill_reaches_the_uninterrupted_metrics(tmp_path):
     changed = subprocess.run([*QARL, *SMALL, f"hydra.run.dir={killed}", *args, "resume=true", "lr=1e-3"],
                              capture_output=True, text=True, timeout=600, env=os.environ)
     assert changed.returncode == 2 and "lr=0.001 (was 0.002)" in changed.stderr, changed.stderr[-2000:]
-    _train(killed, *args, "resume=true")
+    verbose = _train(killed, *args, "resume=true", "verbose=true")  # verbose: the libraries' lines come back
+    assert len(_library_lines(verbose.stdout + verbose.stderr)) > 10
     assert _logged_steps(killed) == [1, 2, 3, 4]  # step 3's first record went with the steps it undid
     assert not partial.exists() and (killed / ".hydra" / "config.yaml").read_text() == record
     straight, resumed = _metrics(tmp_path / "straight"), _metrics(killed)

@@ -127,8 +127,11 @@ def _run_hydra(command: str, args: list[str]) -> int:
         impl = importlib.import_module(f"qarl_cli.commands.{command}")
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         _scrub_record(typed, run_dir)
+        from qarl_cli.library_logs import routed
+
         try:
-            codes.append(int(impl.run(typed, run_dir) or 0))
+            with routed(run_dir, getattr(typed, "verbose", True)):
+                codes.append(int(impl.run(typed, run_dir) or 0))
         except UserError as e:  # a bad path, file or value found at run time: one line, no traceback
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             code = getattr(e, "exit_code", EXIT_USAGE if isinstance(e, ConfigError) else 1)

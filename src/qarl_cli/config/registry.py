@@ -68,6 +68,8 @@ def run_id() -> str:
 def hydra_settings(command: str, option_lists: dict[str, list[str]]) -> dict:
     """Hydra's own settings for one command: unique run directories, no chdir, and a help page that lists
     the command's groups (Hydra's default page would also list the internal schema/ groups)."""
+    from qarl_cli.library_logs import job_logging
+
     groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in option_lists.items())
     template = (f"qarl {command}: {{COMMAND_HELP}}\n\nusage: qarl {command} [GROUP=OPTION ...] [KEY=VALUE ...] "
                 f"[+experiment=NAME] [-m] [--cfg job]\n\n== Config groups (GROUP=OPTION) ==\n{groups}\n\n"
@@ -76,6 +78,7 @@ def hydra_settings(command: str, option_lists: dict[str, list[str]]) -> dict:
         "run": {"dir": "outputs/${now:%Y-%m-%d}/${qarl_run_id:}"},
         "sweep": {"dir": "multirun/${now:%Y-%m-%d}/${qarl_run_id:}", "subdir": "${hydra.job.num}"},
         "job": {"chdir": False, "name": command},
+        "job_logging": job_logging(),  # libraries' records into the run's engine.log (qarl_cli.library_logs)
         "help": {"app_name": f"qarl {command}", "template": template},
     }
 

@@ -17,6 +17,9 @@ DEVICES = ("auto", "cpu", "cuda")
 class _Common:
     seed: int = 0
     device: str = "auto"  # auto: cuda when available, else cpu
+    # The log lines of vLLM and the other libraries on the console as well. They always go to <run dir>/engine.log
+    # (a launched server's to its server-N.log); without verbose the console shows qarl's lines and their errors.
+    verbose: bool = False
     model: Any = MISSING
     DOMAINS: ClassVar[dict] = {"seed": ANY}
 

@@ -34,7 +34,10 @@ def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, s
         cmd.append("--enforce-eager")
     if cfg.enable_expert_parallel:
         cmd.append("--enable-expert-parallel")
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    # VLLM_LOGGING_CONFIG_PATH points this process's vLLM records at the run's engine.log (library_logs): a server's
+    # lines go to its own log, from which a failed start is explained
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
+                                                            "VLLM_LOGGING_CONFIG_PATH")}
     env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key, **ENGINE_ENV})
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]

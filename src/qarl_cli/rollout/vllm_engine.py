@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from qarl_cli import library_logs
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
 from qarl_cli.stages import StageUnavailable
@@ -146,7 +147,8 @@ class VLLMEngine:
                        max_model_len=context,
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
-                       enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"}, **memory)
+                       enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"},
+                       use_tqdm_on_load=not library_logs.quiet(), **memory)
         self.startup_seconds = time.perf_counter() - start
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,

@@ -27,7 +27,7 @@ from qarl_cli.config.errors import ConfigError, UserError
 LOCK = ".qarl.lock"
 CONFIG = "config.json"  # the run's config, beside each checkpoint's trainer.pt
 # Keys (or prefixes ending in ".") that may differ between a checkpoint's config and its resume.
-RESUMABLE = ("steps", "resume", "overwrite", "eval_every", "eval_samples", "checkpoint_every", "train_threads",
+RESUMABLE = ("steps", "resume", "overwrite", "verbose", "eval_every", "eval_samples", "checkpoint_every", "train_threads",
              "logger.", "model.cache_dir", "reward.num_workers", "reward.timeout_s", "reward.kill_grace_s",
              "reward.worker_memory_mb", "rollout.gpu_memory_utilization", "rollout.kv_cache_memory_bytes",
              "rollout.enforce_eager", "rollout.batch_size", "sync.verify_every", "sync.verify_tolerance")
@@ -74,7 +74,7 @@ def check_fresh(run_dir: Path, overwrite: bool) -> None:
         raise ConfigError(f"hydra.run.dir={str(run_dir)!r} already holds a run (checkpoints / metrics.jsonl): "
                           "continue it with resume=true, start this one in a new directory, or replace it with "
                           "overwrite=true")
-    for name in ("checkpoints", "metrics.jsonl", "summary.json", "error.log", "wandb"):
+    for name in ("checkpoints", "metrics.jsonl", "summary.json", "error.log", "engine.log", "wandb"):
         target = run_dir / name
         shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
 
