@@ -68,9 +68,9 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
 
 
 def _plot(run_dir) -> set:
-    """Run scripts/plot_run.py on a run directory; the curves it says it drew."""
-    plot = subprocess.run([sys.executable, "scripts/plot_run.py", str(run_dir)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+    """Run `qarl plot` on a run directory; the curves it says it drew."""
+    plot = subprocess.run([sys.executable, "-m", "qarl_cli.cli", "plot", str(run_dir)], capture_output=True,
+                          text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     return set(plot.stdout.strip().split(": ", 1)[1].split(", "))
 
