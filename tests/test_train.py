@@ -63,6 +63,7 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert [h["step"] for h in summary["history"]] == [0, 3]
     assert (run / "curves.png").stat().st_size > 10_000  # the run drew its own
+    assert json.loads((run / "status.json").read_text()) == {"status": "finished", "error": None}
     drawn = _plot(run)
     assert {"reward/mean", "eval/avg@2", "eval/greedy_acc", "mismatch/k3_kl", "time/rollout"} <= drawn
 
