@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from qarl_cli.config.quant import SCHEMAS
+from qarl_cli.results import runs as run_records
+from qarl_cli.results.summary import late_mean as _late, mean_std as _mean_std, record, step_rows, tail as _tail
 
 SETTINGS = {  # name -> overrides; "{q}" is the scheme
     "bf16": ["quant=none", "forward=bf16", "algorithm=gspo"],
@@ -109,25 +111,12 @@ def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict
             raise SystemExit(f"reproduce_tiny: {' '.join(cmd)} failed (exit {done.returncode}); see "
                              f"{run_dir / 'stdout.log'}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    run = run_records.read(run_dir)
     # Hydra writes the config as the run starts, the summary is the run's last file: the run's wall time, also
     # for a run an earlier invocation trained.
     wall = (run_dir / "summary.json").stat().st_mtime - (run_dir / ".hydra" / "config.yaml").stat().st_mtime
-    return {"summary": summary, "steps": [s for s in steps if "reward/mean" in s], "wall_s": wall}
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def _tail(steps: list[dict], frac: float = 1 / 3) -> list[dict]:
-    return steps[-max(1, int(len(steps) * frac)):]
-
-
-def _late(steps: list[dict], key: str, frac: float = 1 / 3) -> float:
-    """The mean of a step metric over the last third of the run (0 where no step logged it)."""
-    vals = [s[key] for s in _tail(steps, frac) if key in s]
-    return statistics.fmean(vals) if vals else 0.0
+    # record: the first and last held-out evaluation as `qarl compare` reads them (metrics.jsonl)
+    return {"summary": summary, "record": record(run), "steps": step_rows(run.rows), "wall_s": wall}
 
 
 def summarise(results: list[dict], k: int) -> list[dict]:
@@ -136,11 +125,9 @@ def summarise(results: list[dict], k: int) -> list[dict]:
     for r in results:
         groups.setdefault((r["setting"], r["scheme"]), []).append(r)
     for (setting, scheme), group in groups.items():
-        first = [g["summary"]["first"] for g in group]
-        last = [g["summary"]["last"] for g in group]
-        acc = [100 * x[f"eval/avg@{k}"] for x in last]
-        start = [100 * x[f"eval/avg@{k}"] for x in first]
-        greedy = [100 * x["eval/greedy_acc"] for x in last]
+        acc = [100 * g["record"]["avg"] for g in group]
+        start = [100 * g["record"]["start_avg"] for g in group]
+        greedy = [100 * g["record"]["greedy"] for g in group]
         (am, asd), (gm, gsd) = _mean_std(acc), _mean_std(greedy)
         late = {key: statistics.fmean(_late(g["steps"], key) for g in group)
                 for key in ("mismatch/k3_kl", "mismatch/abs_log_w_mean", "error_tokens/any_frac",
@@ -286,8 +273,9 @@ def main() -> None:
     minutes = (time.perf_counter() - start) / 60
     k = 4
     rows = summarise(results, k)
-    from _bench import markdown
+    from qarl_cli.results.tables import markdown as _markdown
 
+    markdown = lambda rows: _markdown(list(rows[0]), [list(map(str, r.values())) for r in rows])  # noqa: E731
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = "results" if args.task == "arith_cot" else f"results_{args.task}"
     plot(results, rows, k, args.out_dir / f"{stem}.png")
@@ -314,7 +302,8 @@ def main() -> None:
             f". A collapse: final avg@{k} more than {COLLAPSE_POINTS:g} points below the start.\n")
     (args.out_dir / f"{stem}.md").write_text(text)
     (args.out_dir / f"{stem}.json").write_text(json.dumps(
-        {"scale": scale, "rows": rows, "runs": [{k2: v for k2, v in r.items() if k2 != "steps"} for r in results]},
+        {"scale": scale, "rows": rows, "runs": [{k2: v for k2, v in r.items() if k2 not in ("steps", "record")}
+                                                for r in results]},
         indent=2) + "\n")
     print(markdown(rows))
     print(f"wrote {args.out_dir / stem}.md, .png, .json ({minutes:.1f} min)")

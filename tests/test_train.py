@@ -62,9 +62,10 @@ def test_torch_engine_run_writes_metrics_wandb_checkpoints_and_plots(tmp_path):
     assert list((run / "wandb").glob("offline-run-*"))
     summary = json.loads((run / "summary.json").read_text())
     assert [h["step"] for h in summary["history"]] == [0, 3]
+    assert (run / "curves.png").stat().st_size > 10_000  # the run drew its own
+    assert json.loads((run / "status.json").read_text()) == {"status": "finished", "error": None}
     drawn = _plot(run)
     assert {"reward/mean", "eval/avg@2", "eval/greedy_acc", "mismatch/k3_kl", "time/rollout"} <= drawn
-    assert (run / "curves.png").stat().st_size > 10_000
 
 
 def _library_lines(text: str) -> list[str]:
@@ -77,9 +78,9 @@ def _library_lines(text: str) -> list[str]:
 
 
 def _plot(run_dir) -> set:
-    """Run scripts/plot_run.py on a run directory; the curves it says it drew."""
-    plot = subprocess.run([sys.executable, "scripts/plot_run.py", str(run_dir)], capture_output=True, text=True,
-                          timeout=120, cwd=Path(__file__).parents[1])
+    """Run `qarl plot` on a run directory; the curves it says it drew."""
+    plot = subprocess.run([sys.executable, "-m", "qarl_cli.cli", "plot", str(run_dir)], capture_output=True,
+                          text=True, timeout=120)
     assert plot.returncode == 0, plot.stderr
     return set(plot.stdout.strip().split(": ", 1)[1].split(", "))
 

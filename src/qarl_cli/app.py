@@ -14,6 +14,7 @@ from qarl_cli.config.registry import GROUPS, conf_dir, one_line, options, regist
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130  # the shell's code for a command stopped by SIGINT
+STOP_SWEEP = (EXIT_INTERRUPTED, 143)  # Ctrl-C and SIGTERM stop a whole sweep, not one job of it
 
 
 def run_command(command: str, args: list[str]) -> int:
@@ -111,6 +112,29 @@ def _scrub_record(typed: Any, run_dir: Path) -> None:
     secrets.scrub_files(files, secrets.values(typed))
 
 
+def _sweeping() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _job_failed(command: str, err: Exception, run_dir: Path) -> None:
+    """One line naming the job and why it failed (a bug's traceback too), and its status.json unless the command
+    wrote one: the sweep goes on, and its summary lists the job as failed."""
+    from qarl_cli.results.runs import FAILED, STATUS, write_status
+
+    why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if not isinstance(err, UserError):
+        import traceback
+
+        traceback.print_exception(err, file=sys.stderr)
+        why = f"{type(err).__name__}: {why}"
+    print(f"qarl {command}: job {run_dir} failed: {why}; the sweep goes on", file=sys.stderr)
+    if not (run_dir / STATUS).is_file():
+        write_status(run_dir, FAILED, why)
+
+
 def _run_hydra(command: str, args: list[str]) -> int:
     import hydra
     from hydra.core.hydra_config import HydraConfig
@@ -132,9 +156,15 @@ def _run_hydra(command: str, args: list[str]) -> int:
         try:
             with routed(run_dir, getattr(typed, "verbose", True)):
                 codes.append(int(impl.run(typed, run_dir) or 0))
-        except UserError as e:  # a bad path, file or value found at run time: one line, no traceback
-            print(f"qarl {command}: error: {e}", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - in a sweep, one job's failure is recorded and the others run
             code = getattr(e, "exit_code", EXIT_USAGE if isinstance(e, ConfigError) else 1)
+            if _sweeping() and code not in STOP_SWEEP:
+                codes.append(code)
+                _job_failed(command, e, run_dir)
+                return
+            if not isinstance(e, UserError):  # a bug: its traceback
+                raise
+            print(f"qarl {command}: error: {e}", file=sys.stderr)  # a bad path, file or value: one line
             raise SystemExit(code) from None
 
     if int(os.environ.get("RANK", "0")) > 0:  # torchrun: rank 0 writes the run directory's .hydra/

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from qarl_cli.commands import COMMANDS
+from qarl_cli.commands import COMMANDS, TOOLS
 
 USAGE = """usage: qarl COMMAND [OVERRIDES ...] [--help] [--cfg job] [-m]
 
@@ -21,13 +21,16 @@ examples:
   qarl eval model.path=CKPT data=math500 data.path=math500.jsonl quant=fp8_block
   qarl serve model.path=CKPT quant=fp8_block rollout.host=ADDR rollout.api_key=KEY
                                                 a server for a run on another node (docs/scaling.md)
+  qarl plot outputs/DATE/RUN multirun/DATE/SWEEP  curves of runs (or a sweep's jobs) on the same axes
+  qarl compare multirun/DATE/SWEEP runs/other     a sweep's closing comparison, for runs made apart
 
 `qarl COMMAND --help` lists the command's config groups and options; `--cfg job` prints the composed config."""
 
 
 def usage() -> str:
-    width = max(map(len, COMMANDS))
-    return USAGE.format(commands="\n".join(f"  {c.ljust(width)}  {h}" for c, h in COMMANDS.items()))
+    listed = {**COMMANDS, **TOOLS}
+    width = max(map(len, listed))
+    return USAGE.format(commands="\n".join(f"  {c.ljust(width)}  {h}" for c, h in listed.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +44,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qarl {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
+    if command in TOOLS:  # directories in, no config: argparse, without Hydra
+        from qarl_cli.results.cli import main as tool
+
+        return tool(command, rest, TOOLS[command])
     if command not in COMMANDS:
-        print(f"qarl: unknown command {command!r}; choose from: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"qarl: unknown command {command!r}; choose from: {', '.join([*COMMANDS, *TOOLS])}", file=sys.stderr)
         return 2
     from qarl_cli.app import run_command  # Hydra, and through the command torch, only from here on
 

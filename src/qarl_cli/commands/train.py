@@ -27,9 +27,30 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
     try:
         run_dir = dist.broadcast(run_dir)  # every rank works in rank 0's run directory, which rank 0 owns
         dist.main_only(lambda: own(run_dir, cfg))
-        return train(cfg, run_dir, dist)
+        return recorded(run_dir, dist.main, lambda: train(cfg, run_dir, dist))
     finally:
         dist.close()
+
+
+def recorded(run_dir: Path, main: bool, body) -> int:
+    """Run `body` and write how it ended into the run directory's status.json (rank 0): finished, failed (and
+    why, in one line) or interrupted. A sweep's summary and `qarl compare` read it."""
+    from qarl_cli.config.errors import UserError
+    from qarl_cli.results.runs import FAILED, FINISHED, INTERRUPTED, write_status
+    from qarl_cli.train.failures import Interrupted
+
+    try:
+        code = body()
+    except BaseException as e:
+        if main:
+            stopped = isinstance(e, (Interrupted, KeyboardInterrupt, SystemExit))
+            first = (str(e).strip().splitlines() or [""])[0]
+            why = first if isinstance(e, UserError) and first else f"{type(e).__name__}: {first}".rstrip(": ")
+            write_status(run_dir, INTERRUPTED if stopped else FAILED, why)
+        raise
+    if main:
+        write_status(run_dir, FINISHED)
+    return code
 
 
 def own(run_dir: Path, cfg: TrainConfig) -> None:

@@ -50,10 +50,13 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
             for step in range(run.start_step, cfg.steps):
                 metrics, samples = one_step(run, step, rollouts, tracker)
                 done = step + 1
-                if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
+                evaluated = cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps)
+                if evaluated:
                     with tracker.stage("eval"):
                         history += report.evaluate_now(run, done, console, metrics)
                 run.logger.log(done, metrics, samples)
+                if evaluated and done < cfg.steps:  # the curves so far (the last step's are drawn at the end)
+                    report.draw_curves(run, console)
                 bar.console.print(report.step_line(done, cfg.steps, metrics))
                 if not cfg.dry_run and (done == cfg.steps or cfg.checkpoint_every and done % cfg.checkpoint_every == 0):
                     with tracker.stage("checkpoint"):
@@ -68,6 +71,7 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
             raise known from e
     if run.dist.main:
         report.final_table(console, history, run_dir)
+        report.draw_curves(run, console)
     return 0
 
 

@@ -63,3 +63,11 @@ def final_table(console: Any, history: list[dict], run_dir: Path) -> None:
     k = next(k for k in keys if k.startswith("eval/avg@"))
     console.print(f"[qarl] {k.removeprefix('eval/')}: {first[k]:.1%} -> {last[k]:.1%}; greedy "
                   f"{first['eval/greedy_acc']:.1%} -> {last['eval/greedy_acc']:.1%}; run dir {run_dir}")
+
+
+def draw_curves(run: Any, console: Any) -> None:
+    """curves.png in the run directory (rank 0), from what metrics.jsonl holds so far; never fails the run."""
+    if run.dist.main:
+        from qarl_cli.results.plot import draw_quietly
+
+        draw_quietly(run.run_dir, console.print, run.cfg.logger.metrics_file)
