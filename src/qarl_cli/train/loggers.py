@@ -1,5 +1,5 @@
 """Where step metrics go. Every logger appends one JSON line per step to `<run dir>/metrics.jsonl` (the record
-scripts/plot_run.py draws); `logger=wandb` also sends the same keys and a table of sample completions to
+`qarl plot` draws); `logger=wandb` also sends the same keys and a table of sample completions to
 Weights & Biases (offline unless configured otherwise: nothing leaves the machine by default)."""
 
 from __future__ import annotations
