@@ -45,3 +45,23 @@ def test_a_key_on_the_command_line_reaches_no_file_of_the_run_or_the_sweep(tmp_p
                           f"hydra.sweep.dir={sweep}"], capture_output=True, text=True, timeout=300, env=os.environ)
     assert (sweep / "multirun.yaml").is_file(), out.stderr[-2000:]
     assert _grep(sweep, SECRET) == []
+
+
+ARGV_DURING_THE_JOB = """
+import sys
+import qarl_cli.commands.train as train
+from qarl_cli.cli import main
+train.run = lambda cfg, run_dir: print("argv:", sys.argv) or 0
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_command_line_libraries_see_during_the_job_has_no_key(tmp_path):
+    """wandb records sys.argv in its run's metadata (it put a key given on the command line into the offline run
+    file): during the job the key in sys.argv is replaced, and the real argv is back afterwards."""
+    out = subprocess.run([sys.executable, "-c", ARGV_DURING_THE_JOB, "train", "rollout=vllm_server",
+                          f"rollout.api_key={SECRET}", f"hydra.run.dir={tmp_path / 'run'}"],
+                         capture_output=True, text=True, timeout=300, env=os.environ)
+    assert out.returncode == 0, out.stderr[-2000:]
+    argv = next(line for line in out.stdout.splitlines() if line.startswith("argv:"))
+    assert SECRET not in argv and f"rollout.api_key={REDACTED}" in argv, argv

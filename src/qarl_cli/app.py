@@ -109,7 +109,11 @@ def _scrub_record(typed: Any, run_dir: Path) -> None:
         if hc.output_subdir else []
     if hc.mode == RunMode.MULTIRUN:
         files.append(Path(hc.sweep.dir) / "multirun.yaml")
-    secrets.scrub_files(files, secrets.values(typed))
+    found = secrets.values(typed)
+    secrets.scrub_files(files, found)
+    # What libraries record of the command line for the job (wandb keeps sys.argv in its run's metadata);
+    # _run_hydra puts the real one back when the job ends
+    sys.argv = [secrets.scrub(arg, found) for arg in sys.argv]
 
 
 def _sweeping() -> bool:

@@ -27,14 +27,19 @@ def values(cfg: Any) -> list[str]:
     return [v for v in found if isinstance(v, str) and v]
 
 
+def scrub(text: str, secrets: list[str]) -> str:
+    """`text` with every occurrence of each secret replaced by REDACTED."""
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text
+
+
 def scrub_files(files: Iterable[Path], secrets: list[str]) -> None:
     """Replace every occurrence of each secret in `files` (those that exist) by REDACTED, in place."""
     for file in files:
         file = Path(file)
         if not secrets or not file.is_file():
             continue
-        text = original = file.read_text()
-        for secret in secrets:
-            text = text.replace(secret, REDACTED)
-        if text != original:
-            file.write_text(text)
+        text = file.read_text()
+        if scrub(text, secrets) != text:
+            file.write_text(scrub(text, secrets))
