@@ -30,6 +30,31 @@ NAME = "rollout=vllm"
 SCRATCH_PREFIX = "qarl-engine-"
 
 
+def routing_unavailable() -> Optional[str]:
+    """Why this vLLM cannot return routed experts here (None: it can). vLLM 0.32 captures them only in its Model
+    Runner V2 (vllm/config/vllm.py: the aux-output connector requires it), which refuses to start without Triton."""
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        return ("vLLM returns routed experts only from its Model Runner V2, which needs Triton, and Triton has no "
+                "backend on this device")
+    return None
+
+
+def resolve_routing(cfg: Any, model_dir: Path, engine: str) -> tuple[bool, Optional[str]]:
+    """(routing replay on, the one-line note when it was asked for by default but is off): rollout.routing_replay
+    for this model (qarl_cli.moe.routing.wanted), refused in one line when set true where vLLM cannot honour it."""
+    from qarl_cli.capabilities import checkpoint_is_moe
+    from qarl_cli.config.errors import UserError
+    from qarl_cli.moe.routing import wanted
+
+    on = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
+    why = routing_unavailable() if on else None
+    if why and cfg.routing_replay:
+        raise UserError(f"rollout.routing_replay=true: {why}; use rollout=torch, or leave routing_replay null")
+    return (False, f"routing replay off under {engine}: {why}") if why else (on, None)
+
+
 def _scratch_dir(workdir: Optional[Path]) -> Path:
     """The engine's scratch directory, named after this process (qarl_cli.scratch): those of dead processes (a
     SIGKILL, a crash) under the same parent are removed first."""
@@ -103,6 +128,9 @@ class VLLMEngine:
         # the dtype the scheme's kernel needs (W4A16 on CPU: bf16 or fp16), else the model's
         dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
         os.environ.update(capabilities.ENGINE_ENV)
+        self.routing_replay, self.routing_note = resolve_routing(cfg, Path(model_dir), NAME)
+        if self.routing_replay:  # the routed-experts capture runs only in vLLM's Model Runner V2
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
@@ -146,7 +174,8 @@ class VLLMEngine:
                        max_model_len=context,
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
-                       enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"}, **memory)
+                       enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"},
+                       enable_return_routed_experts=self.routing_replay, **memory)
         self.startup_seconds = time.perf_counter() - start
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
@@ -159,15 +188,18 @@ class VLLMEngine:
         # One seed per request (vLLM gives the j-th of its n samples seed + j): reproducible, and no two prompts
         # share a random stream.
         params = [SamplingParams(n=n_per_request, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 seed=(seed * 1_000_003 + k * n_per_request) % (2**31), logprobs=0, detokenize=False)
+                                 seed=(seed * 1_000_003 + k * n_per_request) % (2**31), logprobs=0, detokenize=False,
+                                 routed_experts_prompt_start=0)  # routing from the first prompt token on
                   for k in range(len(owners))]
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in owners], params,
                                     use_tqdm=False)
         seconds = time.perf_counter() - start
-        batch = RolloutBatch([], [], [], [], seconds)
+        batch = RolloutBatch([], [], [], [], seconds, routed_experts=[] if self.routing_replay else None)
         for i, out in zip(owners, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
+                if self.routing_replay:
+                    batch.routed_experts.append(routed(c, len(prompts[i])))
                 batch.prompt_index.append(i)
                 batch.response_ids.append(list(c.token_ids))
                 batch.rollout_logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
@@ -208,6 +240,18 @@ class VLLMEngine:
             gc.collect()
         finally:
             self._remove_scratch()
+
+
+def routed(completion: Any, prompt_len: int) -> torch.Tensor:
+    """A completion's `routed_experts` (numpy [prompt + response - 1, layers, top_k]) as int16."""
+    import numpy as np
+
+    experts = completion.routed_experts
+    expected = prompt_len + len(completion.token_ids) - 1
+    if experts is None or experts.shape[0] != expected:
+        raise RuntimeError(f"{NAME}: routed experts for {expected} tokens expected, vLLM returned "
+                           f"{None if experts is None else experts.shape}")
+    return torch.from_numpy(np.asarray(experts, dtype=np.int16))
 
 
 class LocalReceiver:
