@@ -105,7 +105,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     moe = checkpoint_is_moe(src)
     kind = "vllm" if vllm_serves(quant, moe) else "torch"
     if kind == "vllm" and moe:
-        from qarl_cli.rollout.vllm_engine import routing_unavailable
+        from qarl_cli.rollout.routing import routing_unavailable
 
         if why := routing_unavailable():
             print(f"[bench] quant={quant}: rollouts from the torch engine, not vLLM: {why}", flush=True)

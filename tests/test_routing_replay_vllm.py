@@ -12,7 +12,8 @@ from qarl_cli.config.quant import NoQuantConfig
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
-from qarl_cli.rollout.vllm_engine import VLLMEngine, resolve_routing, routing_unavailable
+from qarl_cli.rollout.routing import resolve_routing, routing_unavailable
+from qarl_cli.rollout.vllm_engine import VLLMEngine
 
 pytestmark = pytest.mark.slow
 
@@ -52,3 +53,26 @@ def test_the_batch_carries_vllms_own_routed_experts(moe_src):
             assert torch.equal(r.long(), torch.from_numpy(c.routed_experts).long())
     finally:
         engine.close()
+
+
+def test_a_server_runs_with_the_capture_and_its_response_field_is_read():
+    """rollout=vllm_server: the launch command carries vLLM's flag (and the model runner that captures), and the
+    /v1/completions field, base64 .npy as vLLM's own serialiser writes it, is read back exactly."""
+    from pathlib import Path
+
+    import numpy as np
+    from vllm.utils.serial_utils import numpy2base64
+
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.rollout.routing import checked
+    from qarl_cli.rollout.server_launch import server_command
+
+    args = dict(dtype="float32", seed=0, max_model_len=64, on_gpu=False, identity="id")
+    cmd, env = server_command(VLLMServerRolloutConfig(), Path("/m"), 8000, "k", routing=True, **args)
+    assert "--enable-return-routed-experts" in cmd and env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    cmd, env = server_command(VLLMServerRolloutConfig(), Path("/m"), 8000, "k", **args)
+    assert "--enable-return-routed-experts" not in cmd and "VLLM_USE_V2_MODEL_RUNNER" not in env
+    routing = np.random.default_rng(0).integers(0, 4, (6, 2, 2)).astype(np.uint8)
+    assert torch.equal(checked(numpy2base64(routing), 7, "x"), torch.from_numpy(routing).to(torch.int16))
+    with pytest.raises(RuntimeError, match="--enable-return-routed-experts"):
+        checked(None, 7, "rollout=vllm_server")

@@ -22,37 +22,13 @@ import torch
 
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch
+from qarl_cli.rollout.routing import ENV as ROUTING_ENV, checked, resolve_routing
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
 
 
 SCRATCH_PREFIX = "qarl-engine-"
-
-
-def routing_unavailable() -> Optional[str]:
-    """Why this vLLM cannot return routed experts here (None: it can). vLLM 0.32 captures them only in its Model
-    Runner V2 (vllm/config/vllm.py: the aux-output connector requires it), which refuses to start without Triton."""
-    from vllm.triton_utils import HAS_TRITON
-
-    if not HAS_TRITON:
-        return ("vLLM returns routed experts only from its Model Runner V2, which needs Triton, and Triton has no "
-                "backend on this device")
-    return None
-
-
-def resolve_routing(cfg: Any, model_dir: Path, engine: str) -> tuple[bool, Optional[str]]:
-    """(routing replay on, the one-line note when it was asked for by default but is off): rollout.routing_replay
-    for this model (qarl_cli.moe.routing.wanted), refused in one line when set true where vLLM cannot honour it."""
-    from qarl_cli.capabilities import checkpoint_is_moe
-    from qarl_cli.config.errors import UserError
-    from qarl_cli.moe.routing import wanted
-
-    on = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
-    why = routing_unavailable() if on else None
-    if why and cfg.routing_replay:
-        raise UserError(f"rollout.routing_replay=true: {why}; use rollout=torch, or leave routing_replay null")
-    return (False, f"routing replay off under {engine}: {why}") if why else (on, None)
 
 
 def _scratch_dir(workdir: Optional[Path]) -> Path:
@@ -130,7 +106,7 @@ class VLLMEngine:
         os.environ.update(capabilities.ENGINE_ENV)
         self.routing_replay, self.routing_note = resolve_routing(cfg, Path(model_dir), NAME)
         if self.routing_replay:  # the routed-experts capture runs only in vLLM's Model Runner V2
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+            os.environ.update(ROUTING_ENV)
         self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
@@ -199,7 +175,7 @@ class VLLMEngine:
         for i, out in zip(owners, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 if self.routing_replay:
-                    batch.routed_experts.append(routed(c, len(prompts[i])))
+                    batch.routed_experts.append(checked(c.routed_experts, len(prompts[i]) + len(c.token_ids), NAME))
                 batch.prompt_index.append(i)
                 batch.response_ids.append(list(c.token_ids))
                 batch.rollout_logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
@@ -240,18 +216,6 @@ class VLLMEngine:
             gc.collect()
         finally:
             self._remove_scratch()
-
-
-def routed(completion: Any, prompt_len: int) -> torch.Tensor:
-    """A completion's `routed_experts` (numpy [prompt + response - 1, layers, top_k]) as int16."""
-    import numpy as np
-
-    experts = completion.routed_experts
-    expected = prompt_len + len(completion.token_ids) - 1
-    if experts is None or experts.shape[0] != expected:
-        raise RuntimeError(f"{NAME}: routed experts for {expected} tokens expected, vLLM returned "
-                           f"{None if experts is None else experts.shape}")
-    return torch.from_numpy(np.asarray(experts, dtype=np.int16))
 
 
 class LocalReceiver:
