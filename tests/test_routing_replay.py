@@ -210,3 +210,21 @@ def test_torch_engine_reports_its_routing_and_the_learner_replays_it(moe_src, qu
             differs |= not torch.equal(own[0].view(len(seqs), -1, layers, k)[b, :len(r), l].long(), used)
     assert differs  # without replay the learner would have routed some tokens elsewhere
     engine.close()
+
+
+def test_a_router_the_hook_was_not_written_for_is_refused_in_one_line():
+    from torch import nn
+
+    from qarl_cli.moe.routing import routers
+
+    class OtherRouter(nn.Module):
+        top_k = 2
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].mlp = nn.Module()
+    model.layers[0].mlp.gate = OtherRouter()
+    with pytest.raises(ConfigError) as e:
+        routers(model)
+    assert "OtherRouter" in str(e.value) and "rollout.routing_replay=false" in str(e.value)
+    assert "\n" not in str(e.value)

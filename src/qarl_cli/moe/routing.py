@@ -27,6 +27,7 @@ from qarl_cli.config.errors import ConfigError
 # A Qwen3-MoE router as transformers 5 names it: model.layers.{i}.mlp.gate (FSDP keeps the names).
 _GATE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 ROUTERS = ("Qwen3MoeTopKRouter",)  # the router classes whose output contract the hook was written for
+TRANSFORMERS_MAJOR = 5  # whose Qwen3MoeTopKRouter.forward returns (router_logits, top-k weights, top-k indices)
 UNKNOWN = -1  # a token position the engine reported no routing for
 
 
@@ -50,13 +51,20 @@ def check_config(cfg) -> bool:
 def routers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """(decoder layer index, router module) of every MoE layer, by layer. A router of another kind than the hook
     was written for is refused in one line."""
+    import transformers
+
     found = []
     for name, module in model.named_modules():
         match = _GATE.search(name)
         if match and not isinstance(module, nn.Linear) and hasattr(module, "top_k"):
             if type(module).__name__ not in ROUTERS:
                 raise ConfigError(f"rollout.routing_replay: router {name} is a {type(module).__name__}; routing "
-                                  f"replay supports {', '.join(ROUTERS)} (transformers 5's Qwen3-MoE)")
+                                  f"replay supports {', '.join(ROUTERS)} (transformers 5's Qwen3-MoE); set "
+                                  "rollout.routing_replay=false")
+            if int(transformers.__version__.split(".")[0]) != TRANSFORMERS_MAJOR:
+                raise ConfigError(f"rollout.routing_replay: the router hook was written for transformers "
+                                  f"{TRANSFORMERS_MAJOR}'s router output (logits, weights, indices), this is "
+                                  f"{transformers.__version__}; set rollout.routing_replay=false")
             found.append((int(match.group(1)), module))
     return sorted(found, key=lambda x: x[0])
 
