@@ -87,8 +87,8 @@ def replay(model: nn.Module, routed: Optional[Tensor], own: Optional[list] = Non
     """Forwards of `model` inside the block route each token as `routed` [B, L, layers, k] says (None: the model's
     own routing). `own`, when given, receives the router's own choice in the block's last forward, as [tokens,
     layers, k] int16 on the CPU (under replay that is the choice given the replayed layers below)."""
-    pairs = routers(model)
-    if routed is None and own is None or not pairs:
+    pairs = routers(model) if routed is not None or own is not None else []  # a dense batch: no module walk
+    if not pairs:
         yield
         return
     flat = routed.reshape(-1, *routed.shape[2:]) if routed is not None else None  # [B * L, layers, k]
