@@ -24,7 +24,8 @@ model (a run's checkpoints/step_N/model) and --plot draws each sequence's log w 
 each token to, and each trainer forward is measured twice, replaying them (`k3_kl`, as qarl train's learner with
 rollout.routing_replay on) and with its own routing (`k3_kl no replay`), with `routing agreement` (the share of
 (token, layer) pairs whose top-k set is the engine's) and its lowest layer. vLLM returns routed experts only where
-it can run its Model Runner V2 (Triton); elsewhere the scheme's rollouts come from the torch engine, said in a line.
+it can run its Model Runner V2 (Triton); elsewhere its routing is recorded by a callback on its routers, one request
+at a time (scripts/_vllm_routing.py), said in a line; schemes vLLM does not serve for MoE here take the torch engine.
 
 Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
 dtype); on a GPU both trainer forwards run in bf16."""
@@ -104,16 +105,25 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     quant, _, kernel = spec.partition(":")
     moe = checkpoint_is_moe(src)
     kind = "vllm" if vllm_serves(quant, moe) else "torch"
-    if kind == "vllm" and moe:
+    if moe and kind == "torch":
+        print(f"[bench] quant={quant}: vLLM does not serve it for an MoE here; rollouts from the torch engine", flush=True)
+    elif moe:
         from qarl_cli.rollout.routing import routing_unavailable
 
         if why := routing_unavailable():
-            print(f"[bench] quant={quant}: rollouts from the torch engine, not vLLM: {why}", flush=True)
-            kind = "torch"
-    served = engine(kind, src, quant, max_model_len=max(map(len, ids)) + max_tokens,
+            print(f"[bench] quant={quant}: {why}: its routing is recorded by a callback on its routers instead, one "
+                  "request at a time (scripts/_vllm_routing.py)", flush=True)
+            kind = "vllm (router callback)"
+    served = engine(kind.split()[0], src, quant, max_model_len=max(map(len, ids)) + max_tokens,
                     **({"group_size": w4a16_group(src)} if quant == "w4a16" else {}))
     try:
-        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
+        if kind == "vllm (router callback)":
+            import _vllm_routing
+
+            batch = _vllm_routing.generate(served, _vllm_routing.bind(served.llm), ids, samples,
+                                           TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed)
+        else:
+            batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
     from qarl_cli.evaluate import decode
@@ -125,7 +135,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     per_seq = {"len": batch.lengths, "error": [f.any for f in flags]}
     dtype = getattr(torch, dtype_name())
     row = {"scheme": quant, "aligned kernel": kernel or "fake",
-           "engine": "vllm" if kind == "vllm" else "torch (embedded)",
+           "engine": kind if kind.startswith("vllm") else "torch (embedded)",
            "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1),
            # responses with error tokens (repeats, garble, truncation: qarl_cli.reward.error_tokens)
            "error tokens %": round(100 * sum(per_seq["error"]) / len(batch), 1)}
