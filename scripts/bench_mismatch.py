@@ -10,7 +10,7 @@ Each row also gives the share of responses with error tokens; `--schemes none,w4
 beside the unquantized engine's.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
-                                               [--model tiny_arith|tiny_cot|smollm2_135m] [--max-tokens N]
+                                               [--model tiny_arith|tiny_cot|tiny_moe|smollm2_135m] [--max-tokens N]
                                                [--model-path CHECKPOINT] [--plot log_w_vs_length.png]
 
 --model tiny_cot measures the long-response miniature (data=arith_cot prompts, worked solutions of 40-150 tokens);
@@ -19,6 +19,13 @@ mismatch of every position to show). Each row also gives k3_kl by response posit
 says whether the mismatch grows along a response (attention over a longer context, errors of earlier tokens
 carried in the KV cache) or is the same at every position. --model-path measures a trained checkpoint of that
 model (a run's checkpoints/step_N/model) and --plot draws each sequence's log w against its response length.
+
+--model tiny_moe (warm-started on arith) adds routing replay (qarl_cli.moe): the engine returns the experts it routed
+each token to, and each trainer forward is measured twice, replaying them (`k3_kl`, as qarl train's learner with
+rollout.routing_replay on) and with its own routing (`k3_kl no replay`), with `routing agreement` (the share of
+(token, layer) pairs whose top-k set is the engine's) and its lowest layer. vLLM returns routed experts only where
+it can run its Model Runner V2 (Triton); elsewhere its routing is recorded by a callback on its routers, one request
+at a time (scripts/_vllm_routing.py), said in a line; schemes vLLM does not serve for MoE here take the torch engine.
 
 Prints a markdown table and writes JSON. On the CPU "bf16" is the unquantized fp32 model (the tiny model's
 dtype); on a GPU both trainer forwards run in bf16."""
@@ -65,7 +72,7 @@ def trainer_logprobs(model, seqs):
 
 
 def prompts_of(model: str, src, n: int) -> list[list[int]]:
-    if model == "tiny_arith":
+    if model in ("tiny_arith", "tiny_moe"):
         return arith_prompts(src, n)
     if model == "tiny_cot":
         from qarl_cli.config.data import ArithCotDataConfig
@@ -93,12 +100,30 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     from qarl_cli.quant.aligned import align
     from qarl_cli.train.sequences import pack
 
+    from qarl_cli.capabilities import checkpoint_is_moe
+
     quant, _, kernel = spec.partition(":")
-    kind = "vllm" if vllm_serves(quant) else "torch"
-    served = engine(kind, src, quant, max_model_len=max(map(len, ids)) + max_tokens,
+    moe = checkpoint_is_moe(src)
+    kind = "vllm" if vllm_serves(quant, moe) else "torch"
+    if moe and kind == "torch":
+        print(f"[bench] quant={quant}: vLLM does not serve it for an MoE here; rollouts from the torch engine", flush=True)
+    elif moe:
+        from qarl_cli.rollout.routing import routing_unavailable
+
+        if why := routing_unavailable():
+            print(f"[bench] quant={quant}: {why}: its routing is recorded by a callback on its routers instead, one "
+                  "request at a time (scripts/_vllm_routing.py)", flush=True)
+            kind = "vllm (router callback)"
+    served = engine(kind.split()[0], src, quant, max_model_len=max(map(len, ids)) + max_tokens,
                     **({"group_size": w4a16_group(src)} if quant == "w4a16" else {}))
     try:
-        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
+        if kind == "vllm (router callback)":
+            import _vllm_routing
+
+            batch = _vllm_routing.generate(served, _vllm_routing.bind(served.llm), ids, samples,
+                                           TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed)
+        else:
+            batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
     from qarl_cli.evaluate import decode
@@ -110,7 +135,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
     per_seq = {"len": batch.lengths, "error": [f.any for f in flags]}
     dtype = getattr(torch, dtype_name())
     row = {"scheme": quant, "aligned kernel": kernel or "fake",
-           "engine": "vllm" if kind == "vllm" else "torch (embedded)",
+           "engine": kind if kind.startswith("vllm") else "torch (embedded)",
            "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1),
            # responses with error tokens (repeats, garble, truncation: qarl_cli.reward.error_tokens)
            "error tokens %": round(100 * sum(per_seq["error"]) / len(batch), 1)}
@@ -134,12 +159,26 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
             row[f"{forward} {k}"] = float(f"{m[f'mismatch/{k}']:.3g}")
         for bucket, v in k3_by_position(old, seqs.rollout_logprobs, seqs.mask).items():
             row[f"{forward} k3 {bucket}"] = v
+        if seqs.routed_experts is not None:  # old was replayed; the same forward with its own routing:
+            row.update({f"{forward} {k}": float(f"{v:.4g}") for k, v in routing_row(model, seqs).items()})
     aligned = row["aligned k3_kl"]
     ratio = row["bf16 k3_kl"] / aligned if aligned > 0 else float("inf")
     row["k3_kl ratio"] = f"{ratio:.3g}"
     row["target met (>= 10x)"] = ratio >= 10
     print(row, flush=True)
     return row, per_seq
+
+
+def routing_row(model, seqs) -> dict[str, float]:
+    """The forward with the learner's own routing: agreement with the engine's and k3_kl without replay."""
+    import torch
+
+    from qarl_cli.train.distributed import Single
+    from qarl_cli.train.routing import no_replay_metrics
+
+    m = no_replay_metrics(model, seqs, Single(), 256, torch.device(device()))
+    return {"routing agreement": m["moe/routing_agreement"], "agreement min layer": m["moe/routing_agreement_min_layer"],
+            "k3_kl no replay": m["mismatch/k3_kl_no_replay"]}
 
 
 def scatter(per_scheme: dict[str, dict], out: Path, title: str) -> None:
@@ -179,7 +218,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
-    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "tiny_cot", "smollm2_135m"])
+    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "tiny_cot", "tiny_moe", "smollm2_135m"])
     ap.add_argument("--model-path", default=None,
                     help="a checkpoint of that model (a run's checkpoints/step_N/model) instead of the built one")
     ap.add_argument("--plot", default=None, help="also draw sequence log w against response length to this PNG")
@@ -192,7 +231,8 @@ def main() -> None:
     from qarl_cli.models.resolve import model_dir
 
     src = Path(args.model_path) if args.model_path else model_dir(MODELS[args.model](), log=print)
-    default_tokens = {"tiny_arith": ArithDataConfig.max_new_tokens, "tiny_cot": ArithCotDataConfig.max_new_tokens}
+    default_tokens = {"tiny_arith": ArithDataConfig.max_new_tokens, "tiny_cot": ArithCotDataConfig.max_new_tokens,
+                      "tiny_moe": ArithDataConfig.max_new_tokens}
     max_tokens = args.max_tokens or default_tokens.get(args.model, 160)
     ids = prompts_of(args.model, src, args.prompts)
     measured = {spec: measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")}

@@ -36,7 +36,7 @@ def test_converting_layer_by_layer_gives_the_whole_models_checkpoint_tensors(tmp
     from qarl_cli.models.tiny import ensure_tiny_model
     from qarl_cli.quant.select import checkpoint_state
 
-    path = ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(tmp_path)), log=lambda _: None)
+    path = ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(tmp_path), warm_start_steps=0), log=lambda _: None)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     whole = checkpoint_state(model)
     state = model.state_dict()

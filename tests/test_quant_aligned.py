@@ -28,7 +28,8 @@ def dense_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def moe_path(tmp_path_factory):
-    return ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(tmp_path_factory.mktemp("models"))), log=lambda _: None)
+    return ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(tmp_path_factory.mktemp("models")), warm_start_steps=0),
+                             log=lambda _: None)
 
 
 def _load(path):

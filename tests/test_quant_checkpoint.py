@@ -24,7 +24,7 @@ SCHEMES = ["int8", "fp8_block", "w4a16", "none"]
 def models(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("models"))
     return {"dense": ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None),
-            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=cache), log=lambda _: None)}
+            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None)}
 
 
 def _read(path):

@@ -44,7 +44,7 @@ def paths(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     quiet = lambda _: None  # noqa: E731
     return {"dense": ensure_tiny_model(TinyModelConfig(cache_dir=str(root), warm_start_steps=0), log=quiet),
-            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(root)), log=quiet)}
+            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=str(root), warm_start_steps=0), log=quiet)}
 
 
 def scheme_of(name, kernel="fake"):

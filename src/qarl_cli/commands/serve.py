@@ -27,6 +27,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
     from qarl_cli.quant.checkpoint import write_checkpoint
     from qarl_cli.rollout.server_auth import KEY_ENV
     from qarl_cli.rollout.server_process import Server, _free_port
+    from qarl_cli.rollout.routing import resolve_routing
     from qarl_cli.rollout.server_launch import server_command
 
     from qarl_cli.capabilities import require_served
@@ -52,7 +53,8 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
 
     cmd, env = server_command(rollout, served, port, key, dtype=dtype, seed=cfg.seed,
                               max_model_len=rollout.max_model_len, on_gpu=on_gpu,
-                              identity=identity(src, served, scheme.name))
+                              identity=identity(src, served, scheme.name),
+                              routing=resolve_routing(rollout, src, "qarl serve")[0])
     url = f"http://{rollout.host}:{port}"
     server = Server(0, url, key, cmd, env, run_dir / "server.log", rollout.request_timeout_s)
     try:

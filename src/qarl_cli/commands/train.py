@@ -23,6 +23,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> int:
 
     cfg = dry(cfg) if cfg.dry_run else cfg
     require_served(cfg)  # a scheme vLLM cannot serve here: one line now, not a vLLM traceback minutes later
+    from qarl_cli.moe.routing import check_config
+
+    check_config(cfg)  # rollout.routing_replay=true for a dense model: one line now
     dist = from_env(resolve_device(cfg.device))  # torchrun: one process group for the run
     try:
         run_dir = dist.broadcast(run_dir)  # every rank works in rank 0's run directory, which rank 0 owns

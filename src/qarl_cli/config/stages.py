@@ -18,6 +18,10 @@ class RolloutConfig:
     # batch comes from weights up to k updates old (corrected by the objective's rollout/old ratio). 0: the
     # synchronous loop (resume is exact only there). Under torchrun rank 0 generates and broadcasts each batch.
     max_staleness: int = 0
+    # Rollout routing replay (R3) for MoE models: the engine returns the experts each MoE layer routed every token
+    # to, and the learner's forwards use those experts (qarl_cli.moe.routing). null: on exactly when the model has
+    # experts (and the engine can return them); true for a dense model is refused.
+    routing_replay: Optional[bool] = None
     DOMAINS: ClassVar[dict] = {"max_staleness": ge(0, "0: the synchronous loop")}
 
 

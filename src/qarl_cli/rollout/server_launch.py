@@ -17,11 +17,11 @@ MODEL_NAME = "qarl"  # --served-model-name: requests name it, whatever the check
 
 
 def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, seed: int,
-                   max_model_len: Optional[int], on_gpu: bool, identity: str, index: int = 0
-                   ) -> tuple[list[str], dict]:
+                   max_model_len: Optional[int], on_gpu: bool, identity: str, index: int = 0,
+                   routing: bool = False) -> tuple[list[str], dict]:
     """The command and environment of server `index` of rollout config `cfg` serving checkpoint `served`: what
     qarl launches, and what `qarl serve` runs on a node of its own. `identity` (rollout.server_check) is served as
-    a second model name: what the handshake reads."""
+    a second model name: what the handshake reads. routing: return each token's routed experts (routing replay)."""
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(served),
            "--served-model-name", MODEL_NAME, identity, "--host", cfg.host, "--port", str(port), "--dtype", dtype,
            "--seed", str(seed), "--generation-config", "vllm", "--disable-log-stats",
@@ -39,6 +39,11 @@ def server_command(cfg: Any, served: Path, port: int, key: str, *, dtype: str, s
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING",
                                                             "VLLM_LOGGING_CONFIG_PATH")}
     env.update({"VLLM_SERVER_DEV_MODE": "1", KEY_ENV: key, **ENGINE_ENV})
+    if routing:
+        from qarl_cli.rollout.routing import ENV as ROUTING_ENV
+
+        cmd.append("--enable-return-routed-experts")
+        env.update(ROUTING_ENV)
     if on_gpu:
         cmd += ["--gpu-memory-utilization", str(cfg.gpu_memory_utilization)]
         if cfg.devices:

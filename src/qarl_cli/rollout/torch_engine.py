@@ -19,7 +19,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from qarl_cli.config.stages import TorchRolloutConfig
+from qarl_cli.capabilities import checkpoint_is_moe
 from qarl_cli.logprobs import sequence_logprobs
+from qarl_cli.moe.routing import Recorder, wanted
 from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
 from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
@@ -69,6 +71,9 @@ class TorchEngine:
         for name, owner in self._owner.items():
             self._parts.setdefault(owner, []).append(name)
         self._aligned = {owner: self._aligned_module(owner) for owner in self._parts}
+        # routing replay: the experts every forward routed each token to, recorded by hooks on the routers
+        self.routing_replay = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
+        self._recorder = Recorder(self.model) if self.routing_replay else None
 
     def _destination(self, name: str, params: dict) -> tuple[torch.nn.Parameter, tuple]:
         """The parameter (and the index into it) that a plain checkpoint tensor is copied into: itself, or its
@@ -103,23 +108,31 @@ class TorchEngine:
         start = time.time()
         index = [i for i in range(len(prompts)) for _ in range(n)]
         gen = torch.Generator(self.device).manual_seed(seed)
-        response_ids, logprobs, reasons = [], [], []
+        response_ids, logprobs, reasons, routed = [], [], [], []
         for lo in range(0, len(index), self.cfg.batch_size):
             chunk = [prompts[i] for i in index[lo:lo + self.cfg.batch_size]]
-            ids, lps, why = self._sample(chunk, temperature, top_p, max_tokens, gen)
+            ids, lps, why, routes = self._sample(chunk, temperature, top_p, max_tokens, gen)
             response_ids += ids
             logprobs += lps
             reasons += why
-        return RolloutBatch(index, response_ids, logprobs, reasons, seconds=time.time() - start)
+            routed += routes
+        return RolloutBatch(index, response_ids, logprobs, reasons, seconds=time.time() - start,
+                            routed_experts=routed if self._recorder else None)
 
     def _sample(self, prompts: list, temperature: float, top_p: float, max_tokens: int,
-                gen: torch.Generator) -> tuple[list, list, list]:
+                gen: torch.Generator) -> tuple[list, list, list, list]:
         from transformers import DynamicCache
 
         ids, mask = self._left_pad(prompts)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0),
                             past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        # per row, the routing of each token it ran (prompt from position 0, then each sampled token fed back)
+        routes: list[list[torch.Tensor]] = [[] for _ in prompts]
+        if self._recorder:
+            taken = self._recorder.take().view(*ids.shape, -1, self._recorder.pairs[0][1].top_k)
+            for row, p in enumerate(prompts):
+                routes[row].append(taken[row, ids.shape[1] - len(p):])
         position = mask.sum(-1)  # of the next token: the prompt's real length
         live = list(range(len(prompts)))  # the rows still sampling, in the cache's batch order
         responses: list[list[int]] = [[] for _ in prompts]
@@ -146,8 +159,12 @@ class TorchEngine:
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], -1)
             logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=position[:, None],
                                 past_key_values=cache, use_cache=True).logits[:, -1]
+            if self._recorder:
+                taken = self._recorder.take()
+                for i, row in enumerate(live):
+                    routes[row].append(taken[i:i + 1])
             position = position + 1
-        return responses, logprobs, reasons
+        return responses, logprobs, reasons, [torch.cat(r) for r in routes] if self._recorder else []
 
     @staticmethod
     def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> torch.Tensor:
@@ -223,6 +240,8 @@ class TorchEngine:
         pass
 
     def close(self) -> None:
+        if self._recorder:
+            self._recorder.close()
         self.model = self._modules = self._dest = self._aligned = None  # the last references to the weights
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

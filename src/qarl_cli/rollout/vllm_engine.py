@@ -23,6 +23,7 @@ import torch
 from qarl_cli import library_logs
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
+from qarl_cli.rollout.routing import ENV as ROUTING_ENV, checked, resolve_routing
 from qarl_cli.stages import StageUnavailable
 
 NAME = "rollout=vllm"
@@ -104,6 +105,9 @@ class VLLMEngine:
         # the dtype the scheme's kernel needs (W4A16 on CPU: bf16 or fp16), else the model's
         dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
         os.environ.update(capabilities.ENGINE_ENV)
+        self.routing_replay, self.routing_note = resolve_routing(cfg, Path(model_dir), NAME)
+        if self.routing_replay:  # the routed-experts capture runs only in vLLM's Model Runner V2
+            os.environ.update(ROUTING_ENV)
         self.cfg, self.scheme, self.source = cfg, scheme, Path(model_dir)
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
@@ -148,7 +152,8 @@ class VLLMEngine:
                        tensor_parallel_size=cfg.tensor_parallel_size,
                        enable_expert_parallel=cfg.enable_expert_parallel,
                        enable_sleep_mode=self.sleeps, weight_transfer_config={"backend": "qarl_shm"},
-                       use_tqdm_on_load=not library_logs.quiet(), **memory)
+                       use_tqdm_on_load=not library_logs.quiet(),
+                       enable_return_routed_experts=self.routing_replay, **memory)
         self.startup_seconds = time.perf_counter() - start
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, top_p: float,
@@ -161,15 +166,18 @@ class VLLMEngine:
         # One seed per request (vLLM gives the j-th of its n samples seed + j): reproducible, and no two prompts
         # share a random stream.
         params = [SamplingParams(n=n_per_request, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                 seed=(seed * 1_000_003 + k * n_per_request) % (2**31), logprobs=0, detokenize=False)
+                                 seed=(seed * 1_000_003 + k * n_per_request) % (2**31), logprobs=0, detokenize=False,
+                                 routed_experts_prompt_start=0)  # routing from the first prompt token on
                   for k in range(len(owners))]
         start = time.perf_counter()
         outputs = self.llm.generate([{"prompt_token_ids": list(prompts[i])} for i in owners], params,
                                     use_tqdm=False)
         seconds = time.perf_counter() - start
-        batch = RolloutBatch([], [], [], [], seconds)
+        batch = RolloutBatch([], [], [], [], seconds, routed_experts=[] if self.routing_replay else None)
         for i, out in zip(owners, outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
+                if self.routing_replay:
+                    batch.routed_experts.append(checked(c.routed_experts, len(prompts[i]) + len(c.token_ids), NAME))
                 batch.prompt_index.append(i)
                 batch.response_ids.append(list(c.token_ids))
                 batch.rollout_logprobs.append([lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 from qarl_cli.config.errors import UserError
 from qarl_cli.rollout import server_check
 from qarl_cli.rollout.base import RolloutBatch
+from qarl_cli.rollout.routing import checked, resolve_routing
 from qarl_cli.rollout.server_auth import KEY_ENV
 from qarl_cli.rollout.server_launch import MODEL_NAME, check_capacity, server_command
 from qarl_cli.rollout.server_process import NAME, Server, ServerDied, _free_port
@@ -61,6 +62,7 @@ class ServerEngine:
         self.scratch = _scratch_dir(workdir)
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
         self.key = cfg.api_key or os.environ.get(KEY_ENV) or secrets.token_urlsafe(24)
+        self.routing_replay, self.routing_note = resolve_routing(cfg, self.source, NAME)
         try:
             # What the servers serve: the source, or its low-bit checkpoint (`qarl quantize`). Attached servers
             # load their own copy; this one is what the sync reads the tensors a push sends (and their digests) from.
@@ -113,7 +115,7 @@ class ServerEngine:
         port = cfg.base_port + i if cfg.base_port else _free_port(cfg.host)
         cmd, env = server_command(cfg, served, port, self.key, dtype=dtype, seed=seed,
                                   max_model_len=cfg.max_model_len or max_model_len, on_gpu=on_gpu, index=i,
-                                  identity=self.identity)
+                                  identity=self.identity, routing=self.routing_replay)
         return Server(i, f"http://{cfg.host}:{port}", self.key, cmd, env,
                       (self.log_dir or self.scratch) / f"server-{i}.log",
                       cfg.request_timeout_s)
@@ -126,13 +128,18 @@ class ServerEngine:
         owners = [i for i in range(len(prompts)) for _ in range(copies)]
         bodies = [{"model": MODEL_NAME, "prompt": list(prompts[i]), "n": n_per_request, "temperature": temperature,
                    "top_p": top_p, "max_tokens": max_tokens, "logprobs": 0, "return_token_ids": True,
-                   "seed": (seed * 1_000_003 + k * n_per_request) % (2**31)}
+                   "seed": (seed * 1_000_003 + k * n_per_request) % (2**31),
+                   **({"routed_experts_prompt_start": 0} if self.routing_replay else {})}
                   for k, i in enumerate(owners)]
         start = time.perf_counter()
         answers = self._run("/v1/completions", bodies)
-        batch = RolloutBatch([], [], [], [], time.perf_counter() - start)
+        batch = RolloutBatch([], [], [], [], time.perf_counter() - start,
+                             routed_experts=[] if self.routing_replay else None)
         for i, answer in zip(owners, answers):
             for c in sorted(answer["choices"], key=lambda c: c["index"]):
+                if self.routing_replay:
+                    batch.routed_experts.append(checked(c.get("routed_experts"), len(prompts[i]) + len(c["token_ids"]),
+                                                        NAME))
                 batch.prompt_index.append(i)
                 batch.response_ids.append(list(c["token_ids"]))
                 batch.rollout_logprobs.append(list(c["logprobs"]["token_logprobs"]))

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from qarl_cli.logprobs import next_token_logprobs
 from qarl_cli.mismatch import mismatch_metrics
+from qarl_cli.moe.routing import replay
 from qarl_cli.objectives import DENOMINATORS, PolicyBatch
 from qarl_cli.optim import lr_lambda
 from qarl_cli.train.distributed import Single, rank_chunks
@@ -25,8 +26,10 @@ from qarl_cli.train.sequences import Sequences
 
 
 def token_logprobs(model: nn.Module, seqs: Sequences, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (and the entropies, on request)."""
-    return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask, entropy)
+    """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (and the entropies, on request). A
+    batch carrying the engine's routing is routed as the engine routed it (routing replay, qarl_cli.moe.routing)."""
+    with replay(model, seqs.routed_experts):
+        return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask, entropy)
 
 
 @contextmanager
@@ -86,9 +89,13 @@ class Learner:
                seed: int) -> dict[str, float]:
         """Epochs x minibatches over the batch (shuffled with `seed`); one optimizer step per minibatch.
         `old`: old_logprobs(seqs). Returns the objective's and the update's metrics (`update/optimizer_steps`:
-        how many steps changed the weights), and the rollout mismatch (engine vs pi_old, qarl_cli.mismatch)."""
+        how many steps changed the weights), and the rollout mismatch (engine vs pi_old, qarl_cli.mismatch; with
+        routing replay also what it would be without, train.routing)."""
+        from qarl_cli.train.routing import no_replay_metrics
+
         with threads(self.cfg.train_threads):
-            return self._update(seqs, old, advantages, algo_cfg, seed)
+            routing = no_replay_metrics(self.model, seqs, self.dist, self.cfg.micro_batch_size or 256, self.device)
+            return {**self._update(seqs, old, advantages, algo_cfg, seed), **routing}
 
     def _update(self, seqs: Sequences, old: Tensor | None, advantages: Tensor, algo_cfg: Any,
                 seed: int) -> dict[str, float]:

@@ -115,6 +115,8 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     try:  # rank 0 runs the engine and the reward; under torchrun the others get what they return
         engine = dist.main_only(lambda: _start_engine(cfg, weights, scheme, context, device.type, run_dir),
                                 send=False)
+        if getattr(engine, "routing_note", None):  # routing replay asked for by default, off under this engine
+            log(f"[qarl] {engine.routing_note}")
         engine = MainEngine(dist, engine) if dist.world > 1 else engine
         stack.callback(engine.close)
         reward = dist.main_only(lambda: resolve("reward", cfg.reward.name)(cfg.reward), send=False)

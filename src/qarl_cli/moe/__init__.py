@@ -1,0 +1,1 @@
+"""Mixture-of-experts routing: rollout routing replay (routing.py) and its metrics (metrics.py)."""
