@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,9 +101,10 @@ def resume_case(workdir: Path) -> dict:
     checkpoint exists and resumed; staleness and reward per step of both."""
     args = [*QARL, "train", "rollout=vllm", "steps=4", "rollout.max_staleness=1", "checkpoint_every=1",
             "eval_every=0", "prompts_per_step=8", "samples_per_prompt=4"]
-    unbroken = workdir / "async-unbroken"
+    unbroken, broken = workdir / "async-unbroken", workdir / "async-resumed"
+    for d in (unbroken, broken):  # an earlier measurement's runs
+        shutil.rmtree(d, ignore_errors=True)
     subprocess.run([*args, f"hydra.run.dir={unbroken}"], cwd=workdir, capture_output=True)
-    broken = workdir / "async-resumed"
     proc = subprocess.Popen([*args, f"hydra.run.dir={broken}"], cwd=workdir, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     while proc.poll() is None and not (broken / "checkpoints" / "step_000002").is_dir():
