@@ -112,6 +112,9 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["rollout=vllm_server", "rollout.transfer_backend=rdma"], ["rollout.transfer_backend", "qarl_gloo", "nccl"]),
     (["rollout=vllm_server", "rollout.transfer_backend=qarl_gloo", "rollout.transfer_host=10.0.0.5"],
      ["rollout.transfer_host", "10.0.0.5", "api_key"]),  # the groups' secrets go over the keyed routes
+    # a server's address needs http:// or https:// (one without a scheme got a message about qarl_shm; ftp passed)
+    (["rollout=vllm_server", "rollout.urls=[127.0.0.1:8000]"], ["rollout.urls", "'127.0.0.1:8000'", "http://"]),
+    (["rollout=vllm_server", "rollout.urls=[ftp://127.0.0.1:8000]"], ["rollout.urls", "'ftp://", "https://"]),
     (["rollout=vllm_server", "rollout.urls=[http://10.0.0.7:8000]", "rollout.api_key=k"],
      ["rollout.transfer_backend", "qarl_shm", "10.0.0.7", "qarl_gloo"]),  # files in this node's memory
     (["rollout=vllm_server", "rollout.transfer_backend=nccl", "sync.mode=online"],

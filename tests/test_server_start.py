@@ -34,10 +34,8 @@ def test_the_first_exception_of_a_log_is_its_root_cause():
 def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
     """A real `vllm serve` on a checkpoint whose architecture vLLM does not know."""
     from qarl_cli.config.model import TinyModelConfig
-    from qarl_cli.config.stages import VLLMServerRolloutConfig
     from qarl_cli.models.tiny import ensure_tiny_model
-    from qarl_cli.rollout.server_process import Server, _free_port
-    from qarl_cli.rollout.server_launch import server_command
+    from qarl_cli.rollout.server_process import _free_port
 
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
                             log=lambda _: None)
@@ -45,9 +43,19 @@ def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
     shutil.copytree(src, bad)
     config = json.loads((bad / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchModelForCausalLM"]}))
-    port = _free_port("127.0.0.1")
-    cmd, env = server_command(VLLMServerRolloutConfig(), bad, port, "key", dtype="float32", seed=0,
-                              max_model_len=64, on_gpu=False, identity="qarl:model=bad")
+    message = _start_error(bad, _free_port("127.0.0.1"), tmp_path)
+    assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in message, message
+
+
+def _start_error(checkpoint, port, tmp_path) -> str:
+    """The error of a real `vllm serve` of `checkpoint` on `port` that fails to start: one line, the root cause,
+    not vLLM's last line, and the log's path."""
+    from qarl_cli.config.stages import VLLMServerRolloutConfig
+    from qarl_cli.rollout.server_launch import server_command
+    from qarl_cli.rollout.server_process import Server
+
+    cmd, env = server_command(VLLMServerRolloutConfig(base_port=port), checkpoint, port, "key", dtype="float32",
+                              seed=0, max_model_len=64, on_gpu=False, identity="qarl:model=test")
     server = Server(0, f"http://127.0.0.1:{port}", "key", cmd, env, tmp_path / "server-0.log")
     try:
         with pytest.raises(UserError) as e:
@@ -56,8 +64,8 @@ def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):
         server.stop()
     message = str(e.value)
     assert "\n" not in message and "See root cause above" not in message
-    assert "Model architectures ['NoSuchModelForCausalLM'] are not supported" in message, message
     assert str(tmp_path / "server-0.log") in message
+    return message
 
 
 CTRL_C_DURING_START = """
@@ -114,30 +122,18 @@ def test_a_port_already_taken_is_named_in_one_line(tmp_path):
     import socket
 
     from qarl_cli.config.model import TinyModelConfig
-    from qarl_cli.config.stages import VLLMServerRolloutConfig
     from qarl_cli.models.tiny import ensure_tiny_model
-    from qarl_cli.rollout.server_process import Server
-    from qarl_cli.rollout.server_launch import server_command
 
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path / "models"), warm_start_steps=0),
                             log=lambda _: None)
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
-    port = holder.getsockname()[1]
-    cmd, env = server_command(VLLMServerRolloutConfig(base_port=port), src, port, "key", dtype="float32", seed=0,
-                              max_model_len=64, on_gpu=False, identity="qarl:model=tiny")
-    server = Server(0, f"http://127.0.0.1:{port}", "key", cmd, env, tmp_path / "server-0.log")
     try:
-        with pytest.raises(UserError) as e:
-            server.start(300)
+        message = _start_error(src, holder.getsockname()[1], tmp_path)
     finally:
-        server.stop()
         holder.close()
-    message = str(e.value)
-    assert "\n" not in message and "See root cause above" not in message
     assert "Address already in use" in message, message
-    assert str(tmp_path / "server-0.log") in message
 
 
 def test_a_launched_server_logs_to_its_own_file_not_the_run_s_engine_log(monkeypatch, tmp_path):
