@@ -19,6 +19,10 @@ mismatch of every position to show). Each row also gives k3_kl by response posit
 says whether the mismatch grows along a response (attention over a longer context, errors of earlier tokens
 carried in the KV cache) or is the same at every position. --model-path measures a trained checkpoint of that
 model (a run's checkpoints/step_N/model) and --plot draws each sequence's log w against its response length.
+--experiment NAME takes the prompts, temperature and response length of a preset (conf/experiment/NAME.yaml: its
+data option and `data:` block, its `temperature`), e.g. `--model smollm2_135m --experiment smollm2_arith`, the task
+the real model is trained on. The error-token columns split the share of responses with error tokens into loops,
+truncation and garble (qarl_cli.reward.error_tokens).
 
 --model tiny_moe (warm-started on arith) adds routing replay (qarl_cli.moe): the engine returns the experts it routed
 each token to, and each trainer forward is measured twice, replaying them (`k3_kl`, as qarl train's learner with
@@ -71,7 +75,24 @@ def trainer_logprobs(model, seqs):
     return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs)
 
 
-def prompts_of(model: str, src, n: int) -> list[list[int]]:
+def preset(name: str) -> tuple[object, float | None]:
+    """(data config, temperature or None) of conf/experiment/NAME.yaml: its data option with its `data:` block."""
+    from omegaconf import OmegaConf
+
+    from qarl_cli.config.data import SCHEMAS as DATA
+
+    path = Path(__file__).resolve().parents[1] / "src" / "qarl_cli" / "conf" / "experiment" / f"{name}.yaml"
+    if not path.is_file():
+        raise SystemExit(f"bench_mismatch: --experiment {name}: no {path}")
+    conf = OmegaConf.to_container(OmegaConf.load(path))
+    option = next((d["override /data"] for d in conf.get("defaults", []) if isinstance(d, dict)
+                   and "override /data" in d), "arith")
+    return DATA[option](**conf.get("data", {})), conf.get("temperature")
+
+
+def prompts_of(model: str, src, n: int, data=None) -> list[list[int]]:
+    if data is not None:
+        return arith_prompts(src, n, cfg=data)
     if model in ("tiny_arith", "tiny_moe"):
         return arith_prompts(src, n)
     if model == "tiny_cot":
@@ -88,7 +109,7 @@ def prompts_of(model: str, src, n: int) -> list[list[int]]:
     return encode(AutoTokenizer.from_pretrained(str(src)), data, load_splits(data, 0, train=False).test[:n])
 
 
-def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int) -> dict:
+def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int, temperature: float) -> dict:
     """spec: a scheme name, or int8:lowbit for the aligned forward's real int8 GEMM (torch._int_mm); none: the
     unquantized engine (its samples' error rate; the learner's gap is the engines' float difference)."""
     import torch
@@ -121,9 +142,9 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
             import _vllm_routing
 
             batch = _vllm_routing.generate(served, _vllm_routing.bind(served.llm), ids, samples,
-                                           TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed)
+                                           temperature, TrainConfig.top_p, max_tokens, seed)
         else:
-            batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=seed)
+            batch = served.generate(ids, samples, temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
     from qarl_cli.evaluate import decode
@@ -138,7 +159,9 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int)
            "engine": kind if kind.startswith("vllm") else "torch (embedded)",
            "tokens": int(seqs.mask.sum()), "response len": round(float(seqs.mask.sum()) / len(batch), 1),
            # responses with error tokens (repeats, garble, truncation: qarl_cli.reward.error_tokens)
-           "error tokens %": round(100 * sum(per_seq["error"]) / len(batch), 1)}
+           "error tokens %": round(100 * sum(per_seq["error"]) / len(batch), 1),
+           **{f"{kind} %": round(100 * sum(getattr(f, kind) for f in flags) / len(batch), 1)
+              for kind in ("repeat", "truncated", "garbled")}}
     if quant == "none":  # the unquantized engine's samples: their error rate, and the learner's gap to them
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         old = trainer_logprobs(model, seqs)
@@ -222,31 +245,39 @@ def main() -> None:
     ap.add_argument("--model-path", default=None,
                     help="a checkpoint of that model (a run's checkpoints/step_N/model) instead of the built one")
     ap.add_argument("--plot", default=None, help="also draw sequence log w against response length to this PNG")
+    ap.add_argument("--experiment", default=None,
+                    help="take prompts, temperature and response length from conf/experiment/NAME.yaml")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="response length (default: the task's max_new_tokens for the tiny models, 160 for "
                          "smollm2_135m)")
     args = ap.parse_args()
     from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig
     from qarl_cli.config.model import SCHEMAS as MODELS
+    from qarl_cli.config.root import TrainConfig
     from qarl_cli.models.resolve import model_dir
 
     src = Path(args.model_path) if args.model_path else model_dir(MODELS[args.model](), log=print)
     default_tokens = {"tiny_arith": ArithDataConfig.max_new_tokens, "tiny_cot": ArithCotDataConfig.max_new_tokens,
                       "tiny_moe": ArithDataConfig.max_new_tokens}
-    max_tokens = args.max_tokens or default_tokens.get(args.model, 160)
-    ids = prompts_of(args.model, src, args.prompts)
-    measured = {spec: measure(src, spec, ids, args.samples, args.seed, max_tokens) for spec in args.schemes.split(",")}
+    data, temperature = preset(args.experiment) if args.experiment else (None, None)
+    temperature = TrainConfig.temperature if temperature is None else temperature
+    max_tokens = args.max_tokens or (data.max_new_tokens if data else default_tokens.get(args.model, 160))
+    ids = prompts_of(args.model, src, args.prompts, data)
+    measured = {spec: measure(src, spec, ids, args.samples, args.seed, max_tokens, temperature)
+                for spec in args.schemes.split(",")}
     rows = [row for row, _ in measured.values()]
     print(f"\nmismatch on the same rollouts ({args.model}, {args.prompts} prompts x {args.samples} samples, "
           f"device {device()}): trainer forward bf16 vs aligned, against the engine's logprobs\n")
     print(markdown(rows))
     Path(args.out).write_text(json.dumps({"device": device(), "model": args.model, "model_path": args.model_path,
                                           "max_tokens": max_tokens, "prompts": args.prompts,
+                                          "experiment": args.experiment, "temperature": temperature,
                                           "samples": args.samples, "rows": rows,
                                           "sequences": {k: v for k, (_, v) in measured.items()}}) + "\n")
     if args.plot:
         scatter({k: v for k, (_, v) in measured.items()}, Path(args.plot),
-                f"{args.model_path or args.model}: {args.prompts} prompts x {args.samples} samples")
+                f"{args.model_path or args.model}{f' ({args.experiment})' if args.experiment else ''}: "
+                f"{args.prompts} prompts x {args.samples} samples, temperature {temperature}")
         print(f"wrote {args.plot}")
     print(f"wrote {args.out}")
 
