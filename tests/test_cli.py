@@ -29,6 +29,19 @@ def test_help_lists_commands_without_importing_torch():
         assert f"  {command}" in out.stdout
 
 
+def test_help_into_a_pipe_whose_reader_has_gone_is_quiet():
+    # `qarl --help | head -3`: the reader exits before the help is written. The pipe's read end is closed before
+    # qarl starts, so every write fails, deterministically.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([*QARL, "--help"], stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)
+    finally:
+        os.close(write)
+    assert out.returncode == 141, out.stderr
+    assert out.stderr == ""  # no traceback, no "Exception ignored" at the interpreter's exit
+
+
 def test_unknown_command(capsys):
     assert main(["trian"]) == 2
     assert "trian" in capsys.readouterr().err

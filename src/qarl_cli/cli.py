@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
-from qarl_cli.commands import COMMANDS, TOOLS
+from qarl_cli.usage import COMMANDS, TOOLS
 
 USAGE = """usage: qarl COMMAND [OVERRIDES ...] [--help] [--cfg job] [-m]
 
@@ -34,7 +35,17 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        code = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # inside the try: a reader that went away (`qarl --help | head`) is not a crash
+        return code
+    except BrokenPipeError:
+        # Python's documented recipe: point stdout at devnull so that the interpreter's own flush at exit is quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command its pipe's reader left
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return 0

@@ -94,7 +94,7 @@ def register() -> None:
     for group, schemas in GROUPS.items():
         for name, schema in schemas.items():
             cs.store(group=group, name=name, node=schema)
-    from qarl_cli.commands import COMMANDS
+    from qarl_cli.usage import COMMANDS
 
     for command in ROOTS:
         lists = {g: options(g) for g in [*command_groups(command), *(["experiment"] if command == "train" else [])]}
