@@ -10,7 +10,8 @@ else in the embedded torch engine, and several seeds each; and, with --settings,
 learner (ABLATIONS below): the paper's, and TBPO as qarl ran it before 2026-12 (4 updates per batch, the old band).
 --task arith_cot (the default) is the long-response miniature, +experiment=tiny_cot (model=tiny_cot,
 data=arith_cot: worked solutions of 40-150 tokens; its steps, batch, minibatches and lr unless given here);
---task arith the embedded default (6-token answers). Every run is a `qarl train` subprocess
+--task arith the embedded default (6-token answers); --task smollm2_arith the real model (+experiment=smollm2_arith,
+SmolLM2-135M-Instruct on level-0 arithmetic, its own steps, batch and lr unless given here). Every run is a `qarl train` subprocess
 (one in-process vLLM engine per run); --jobs N runs N at once, each pinned to its own core with one thread.
 Writes docs/results.md (final test accuracy mean and std, gain over the start, entropy, mismatch, error tokens,
 collapses), docs/results.png (curves per arm) and docs/results.json; for --task arith docs/results_arith.*.
@@ -57,7 +58,12 @@ ABLATIONS = {  # each QaRL with one part changed
     "qarl-positive-only": ["quant={q}", "forward=aligned", "algorithm=tbpo", "algorithm.positive_only=true"],
 }
 # The task's own settings; every setting's quant, forward and algorithm, and the flags given, override them.
-TASKS = {"arith": [], "arith_cot": ["+experiment=tiny_cot"]}
+TASKS = {"arith": [], "arith_cot": ["+experiment=tiny_cot"],
+         # the real model (SmolLM2-135M-Instruct) on the arithmetic it can learn on a CPU, where W4A16 changes the
+         # samples (docs/results_smollm2_arith.md)
+         "smollm2_arith": ["+experiment=smollm2_arith"]}
+# A task's settings for one scheme: SmolLM2's 576-wide linears take W4A16 groups of 64, not the schema's 128.
+TASK_SCHEME = {("smollm2_arith", "w4a16"): ["quant.group_size=64"]}
 COLLAPSE_POINTS = 5.0
 LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
@@ -176,7 +182,7 @@ def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    fig, axes = plt.subplots(2, 5, figsize=(25, 8.5))
     bars = axes[0][0]
     labels = [f"{r['setting']}\n{r['rollout']}" for r in rows]
     means = [float(r[f"final avg@{k}"].split(" ± ")[0]) for r in rows]
@@ -194,6 +200,9 @@ def plot(results: list[dict], rows: list[dict], k: int, out: Path) -> None:
     _curve(axes[1][0], results, "response/neg_logprob_mean", "entropy (-mean log mu of sampled tokens)")
     _curve(axes[1][1], results, "error_tokens/any_frac", "error-token rate (repeat, garble, truncation)")
     _curve(axes[1][2], results, "mismatch/k3_kl", "rollout mismatch k3_kl (aligned or bf16 learner)", log=True)
+    _curve(axes[0][4], [r for r in results if r["scheme"] != "none"], "sync/lowbit_changed_frac",
+           "low-bit weight values changed per sync", smooth=1)
+    _curve(axes[1][4], results, "response/len_mean", "response length (tokens)")
     by_len = axes[1][3]
     for i, r in enumerate(rows):  # mean |log w| by response length, last third of the runs, per arm
         group = [x for x in results if (x["setting"], x["scheme"]) == (r["setting"], r["rollout"])]
@@ -256,7 +265,8 @@ def main() -> None:
         def do(item):
             setting, scheme, seed, overrides = item
             name = f"{args.task}-{setting}-{scheme}-seed{seed}"
-            extra = TASKS[args.task] + [f"seed={seed}"] + ([] if engine_for(scheme) == "vllm" else ["rollout=torch"])
+            extra = (TASKS[args.task] + TASK_SCHEME.get((args.task, scheme), []) + [f"seed={seed}"]
+                     + ([] if engine_for(scheme) == "vllm" else ["rollout=torch"]))
             core = cores.get()
             try:
                 r = one_run(args.runs_dir / name, overrides + extra, args, core)
@@ -287,11 +297,12 @@ def main() -> None:
              f"({args.seeds} seeds per setting{f', {args.ablation_seeds} per ablation' if args.ablation_seeds else ''}"
              f"), {run.steps} steps of {run.prompts_per_step} prompts x {run.samples_per_prompt} samples in "
              f"{run.minibatches} minibatches, {run.optimizer} lr {run.lr}; test "
-             f"split of the task (avg@{k} at temperature 1 and greedy); "
+             f"split of the task (avg@{k} at temperature {run.temperature:g} and greedy); "
              f"{sum(r['wall_s'] for r in results) / 60:.0f} run-minutes in all on this machine, one core per run "
              f"when several ran at once (this invocation: {args.jobs} at once, {minutes:.0f} minutes)")
     table = {**SETTINGS, **ABLATIONS}
-    text = (f"# The comparison in miniature (tiny model, {args.task})\n\n"
+    what = "on the real model (SmolLM2-135M-Instruct" if args.task.startswith("smollm2") else "in miniature (tiny model"
+    text = (f"# The comparison {what}, {args.task})\n\n"
             "Produced by `scripts/reproduce_tiny.py`; numbers as measured, whichever way they came out.\n\n"
             f"Scale: {scale}.\n\n" + markdown(rows) +
             "\nk3_kl, mean abs log w (|mean_t(log pi_old - log mu)| per sequence), error tokens, entropy (-mean "
