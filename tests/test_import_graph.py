@@ -1,4 +1,5 @@
-"""The package's modules import each other without a circle (scripts/import_graph.py reads every import, lazy ones
+"""The package's modules, and its packages (every module folded into its top-level package), import each other
+without a circle (scripts/import_graph.py reads every import, lazy ones
 included, from the source); the checker itself finds a planted circle, lazy or relative."""
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ def test_no_module_imports_itself_through_others():
     g = _checker()
     edges = g.graph("modules")
     assert len(edges) > 50  # it read the package, not an empty tree
+    assert g.circles(edges) == []
+
+
+def test_no_package_imports_itself_through_others():
+    # A stage's package may use config, capabilities and the shared modules, never reach back into a package that
+    # uses it: e.g. config's Hydra help reads qarl_cli.usage, not the commands package (which reaches every stage).
+    g = _checker()
+    edges = g.graph("packages")
+    assert {"config", "rollout", "sync", "quant", "commands"} <= set(edges)
     assert g.circles(edges) == []
 
 

@@ -9,7 +9,8 @@ them, as QARL_CPU_FLAGS replaces the CPU's flags.
 One process probes at a time (a lock beside the cache; the others wait and read its answer); a probe dies with the
 process that started it; a probe killed from outside (SIGTERM, SIGKILL, Ctrl-C) is no answer and is not cached.
 
-Run as `python -m qarl_cli.capabilities_probe DTYPE`: exits 0 after generating in that dtype."""
+The probe itself is qarl_cli.quant.w4a16_probe, run as a child (`python -m`, never imported from here: it builds a
+W4A16 checkpoint with the quant package, which asks this module what the CPU serves)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -31,6 +31,7 @@ DTYPES_ENV = "QARL_VLLM_DTYPES"
 ENGINE_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
 CANDIDATES = ("bfloat16", "float16")
 TIMEOUT_S = 300.0
+PROBE_MODULE = "qarl_cli.quant.w4a16_probe"
 _INSIDE = "QARL_CAPABILITY_PROBE"  # set in a probe: its own W4A16 checkpoint names its dtype, it never probes
 # How a probe dies when something outside stops it, not the kernel: no answer about the dtype
 _STOPPED = {-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT, -signal.SIGHUP}
@@ -73,14 +74,14 @@ def w4a16_dtypes(flags: frozenset) -> frozenset:
 
 
 def _runs(dtype: str) -> bool:
-    from qarl_cli.rollout.server_process import _die_with_parent
+    from qarl_cli.signals import die_with_parent
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", **{_INSIDE: "1"})
     try:
-        proc = subprocess.run([sys.executable, "-m", "qarl_cli.capabilities_probe", dtype], env=env,
+        proc = subprocess.run([sys.executable, "-m", PROBE_MODULE, dtype], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=TIMEOUT_S,
-                              preexec_fn=_die_with_parent)
+                              preexec_fn=die_with_parent)
     except subprocess.TimeoutExpired:
         return False  # a hang is a kernel that does not run
     if proc.returncode in _STOPPED:
@@ -89,33 +90,3 @@ def _runs(dtype: str) -> bool:
         raise UserError(f"capabilities_probe: the {dtype} probe was stopped from outside (exit "
                            f"{proc.returncode}); nothing cached, the next run probes again")
     return proc.returncode == 0
-
-
-def _probe(dtype: str) -> None:
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from qarl_cli.config.quant import W4A16Config
-    from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.checkpoint import write_checkpoint
-
-    os.environ.update(ENGINE_ENV)
-    with tempfile.TemporaryDirectory(prefix="qarl-probe-") as tmp:
-        src, served = Path(tmp) / "src", Path(tmp) / "w4a16"
-        torch.manual_seed(0)
-        config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
-                             tie_word_embeddings=True, bos_token_id=None, eos_token_id=1, pad_token_id=0)
-        Qwen3ForCausalLM(config).save_pretrained(str(src))
-        write_checkpoint(src, served, build_scheme(W4A16Config(scale_dtype=dtype), "cpu"), progress=False)
-        from vllm import LLM, SamplingParams
-
-        llm = LLM(model=str(served), dtype=dtype, enforce_eager=True, skip_tokenizer_init=True,
-                  kv_cache_memory_bytes=1 << 26, max_model_len=64)
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
-                           SamplingParams(max_tokens=4, temperature=0.0, detokenize=False, ignore_eos=True))
-        assert len(out[0].outputs[0].token_ids) == 4
-
-
-if __name__ == "__main__":
-    _probe(sys.argv[1])

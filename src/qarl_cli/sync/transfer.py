@@ -42,7 +42,7 @@ class RLApiTransfer:
                  checksums: bool = False) -> None:
         from qarl_cli.quant.checkpoint import load_meta_model
         from qarl_cli.rollout.vllm_engine import checkpoint_spec
-        from qarl_cli.sync.weights import tied_aliases
+        from qarl_cli.rollout.weights import tied_aliases
 
         self.engine, self.directory, self.bucket_bytes = engine, Path(directory), bucket_bytes
         # The tensors a push may send: the served (low-bit) checkpoint's, or for online the unquantized ones; a

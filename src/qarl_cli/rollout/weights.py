@@ -1,7 +1,8 @@
 """What every engine checks before it touches its weights: each name is one the engine serves, each tensor has
-the served shape and dtype and is finite. The torch engine checks a push as a whole before loading any of it; a
-push to vLLM is checked tensor by tensor as its buckets are written, before any engine hears of it
-(sync.buckets, which also drops tied aliases). Either way a bad tensor anywhere leaves the engine as it was."""
+the served shape and dtype and is finite. The engines own the check and the sync stage calls it: the torch engine
+checks a push as a whole before loading any of it; a push to vLLM is checked tensor by tensor as its buckets are
+written, before any engine hears of it (sync.buckets, which also drops tied aliases). Either way a bad tensor
+anywhere leaves the engine as it was."""
 
 from __future__ import annotations
 
