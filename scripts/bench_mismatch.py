@@ -80,8 +80,9 @@ def preset(name: str) -> tuple[object, float | None]:
     from omegaconf import OmegaConf
 
     from qarl_cli.config.data import SCHEMAS as DATA
+    from qarl_cli.config.registry import conf_dir
 
-    path = Path(__file__).resolve().parents[1] / "src" / "qarl_cli" / "conf" / "experiment" / f"{name}.yaml"
+    path = conf_dir() / "experiment" / f"{name}.yaml"
     if not path.is_file():
         raise SystemExit(f"bench_mismatch: --experiment {name}: no {path}")
     conf = OmegaConf.to_container(OmegaConf.load(path))

