@@ -410,7 +410,9 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
     gathered whole matrix), and
     so does a 2-rank run resumed from the 2-rank step-1 checkpoint (the sharded optimizer state is gathered into it
     and scattered back)."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
+    # --standalone: a free port for each launch's rendezvous, never the fixed 29500 a previous launch may hold
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+              "qarl_cli.cli", "train"]
     args = [*SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=1", f"optimizer={optimizer}",
             f"lr={2e-3 if optimizer == 'muon' else 1e-4}"]
 
@@ -447,7 +449,9 @@ def test_fsdp_two_gloo_ranks_train_the_weights_one_process_does_and_resume(tmp_p
 def _one_process_and_two_ranks(tmp_path, *args):
     """The same run in one process (tmp_path/one) and under torchrun with 2 gloo ranks (tmp_path/two); their
     metrics by step."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "qarl_cli.cli", "train"]
+    # --standalone: a free port for each launch's rendezvous, never the fixed 29500 a previous launch may hold
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+              "qarl_cli.cli", "train"]
     for cmd, run_dir in ((QARL, tmp_path / "one"), (launch, tmp_path / "two")):
         out = subprocess.run([*cmd, *SMALL, *args, f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
                              timeout=600, env=os.environ)
@@ -514,7 +518,7 @@ def test_fsdp_push_refused_midway_stops_every_rank_instead_of_hanging(tmp_path):
     stops with rank 0's one-line error; without that, rank 1 waits in a gather rank 0 never joins."""
     script = tmp_path / "refuse.py"
     script.write_text(_REFUSE_PUSH)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), "train"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), "train"]
     proc = subprocess.Popen([*launch, *SMALL, "rollout=torch", "steps=2", "eval_every=0", "checkpoint_every=0",
                              f"hydra.run.dir={tmp_path / 'run'}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONSAFEPATH": "1"}, start_new_session=True)
