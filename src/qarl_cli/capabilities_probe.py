@@ -10,7 +10,7 @@ One process probes at a time (a lock beside the cache; the others wait and read 
 process that started it; a probe killed from outside (SIGTERM, SIGKILL, Ctrl-C) is no answer and is not cached.
 
 The probe itself is qarl_cli.quant.w4a16_probe, run as a child (`python -m`, never imported from here: it builds a
-W4A16 checkpoint with the quant package, which asks this module what the CPU serves)."""
+W4A16 checkpoint with the quant package, which asks qarl_cli.capabilities what the CPU serves)."""
 
 from __future__ import annotations
 
