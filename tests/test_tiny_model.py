@@ -134,3 +134,41 @@ def test_default_model_starts_inside_its_band(default_model):
     assert held == pytest.approx(info["heldout_accuracy"], abs=0.02)  # batched vs one at a time: a few flips
     error = 3 * (test * (1 - test) / ArithDataConfig.test_size) ** 0.5
     assert lo - error <= test <= hi + error
+
+
+@pytest.mark.parametrize("name", ["tiny_arith", "tiny_moe"])
+def test_each_default_recipe_ships_its_build(name):
+    """A first run copies the shipped build instead of a warm start of minutes: each default recipe has one under
+    its own cache key, recorded with that recipe, complete, and loadable as the architecture the recipe asks for.
+    A recipe edited without scripts/build_prebuilt.py has no shipped build (its key changed): this fails."""
+    import dataclasses
+
+    from qarl_cli.config.model import SCHEMAS
+    from qarl_cli.models.tiny import shipped_build
+
+    cfg = SCHEMAS[name]()
+    shipped = shipped_build(cfg)
+    assert shipped is not None, f"no shipped build for {name}'s recipe ({cache_path(cfg).name}): run " \
+                                "scripts/build_prebuilt.py"
+    info = json.loads((shipped / BUILD_MARKER).read_text())
+    recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "cache_dir", "prebuilt")}
+    assert info["recipe"] == json.loads(json.dumps(recipe))
+    assert info["warm_start"]["in_band"]
+    config = json.loads((shipped / "config.json").read_text())
+    assert config["num_hidden_layers"] == cfg.num_layers and config.get("num_experts", 0) == cfg.num_experts
+    assert shipped_build(dataclasses.replace(cfg, prebuilt=False)) is None
+
+
+def test_a_first_use_copies_the_shipped_build_and_prebuilt_false_keys_its_own(tmp_path):
+    cfg = TinyModelConfig(cache_dir=str(tmp_path))
+    logs = []
+    path = ensure_tiny_model(cfg, log=logs.append)
+    assert path.parent == tmp_path and "shipped with qarl" in logs[0] and "prebuilt=false" in logs[0]
+    from qarl_cli.models.tiny import PREBUILT
+
+    for f in (PREBUILT / path.name).iterdir():  # the same files, byte for byte
+        assert (path / f.name).read_bytes() == f.read_bytes()
+    import dataclasses
+
+    own = cache_path(dataclasses.replace(cfg, prebuilt=False))
+    assert own != path and own.parent == tmp_path  # a build of this machine's own would not replace the copy

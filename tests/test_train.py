@@ -220,10 +220,10 @@ def test_paper_experiment_composes_into_the_server_topology(tmp_path, forced):
     the server log's root cause, not vLLM's "See root cause above"."""
     from qarl_cli.capabilities import FLAGS_ENV, cpu_flags, vllm_serving
 
+    amx = {"amx_tile", "amx_int8", "amx_bf16"}
     flags = cpu_flags()
-    if forced:
-        flags = flags - {"amx_tile", "amx_int8", "amx_bf16"} if "amx_tile" in flags else \
-            flags | {"amx_tile", "amx_int8", "amx_bf16"}
+    if forced:  # the other kind: an AMX CPU's flags without AMX, or an AMX CPU's (AVX-512 BF16 and AMX) anywhere else
+        flags = flags - amx if "amx_tile" in flags else flags | amx | {"avx512f", "avx512_vnni", "avx512_bf16"}
     serving = vllm_serving("int8", moe=True, gpu=False, flags=flags)
     data = tmp_path / "openr1.jsonl"
     data.write_text("".join(json.dumps({"uuid": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)})
@@ -240,7 +240,7 @@ def test_paper_experiment_composes_into_the_server_topology(tmp_path, forced):
         assert out.returncode == 0, out.stderr[-3000:]
         assert "1 vLLM server(s) on the CPU, tensor_parallel_size=1, transfer_backend=qarl_gloo (nccl needs GPUs)" \
             in out.stdout and "step 1/1" in out.stdout
-    else:  # told it has AMX, on a CPU without: vLLM refuses the int8 MoE, and the line says so
+    else:  # told it has AMX, on a CPU without: vLLM cannot build the int8 MoE, and the line gives the root cause
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
         errors = [ln for ln in out.stderr.splitlines() if ln.startswith("qarl train: error:")]
         assert len(errors) == 1 and "NotImplementedError: No Int8 MoE backend supports" in errors[0], out.stderr

