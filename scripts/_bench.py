@@ -33,8 +33,8 @@ def engine(kind: str, src, quant_name: str, kernel: str | None = None, max_model
 
 
 def vllm_serves(quant_name: str, moe: bool = False) -> bool:
-    """Whether vLLM on this machine serves the scheme (qarl_cli.capabilities)."""
-    from qarl_cli.capabilities import vllm_serving
+    """Whether vLLM on this machine serves the scheme (qarl_cli.machine.capabilities)."""
+    from qarl_cli.machine.capabilities import vllm_serving
 
     return vllm_serving(quant_name, moe=moe, gpu=device() == "cuda").served
 

@@ -15,7 +15,7 @@ import json
 
 
 def held_bytes(model) -> int:
-    from qarl_cli.quant.aligned import _Cached
+    from qarl_cli.forward.aligned import _Cached
 
     total = 0
     for m in model.modules():
@@ -33,7 +33,7 @@ def one(keep: bool, dist) -> dict:
 
     from qarl_cli.config.quant import Int8Config
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align, keep_cache
+    from qarl_cli.forward.aligned import align, keep_cache
 
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=2048, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
@@ -66,7 +66,7 @@ def one(keep: bool, dist) -> dict:
 def main() -> None:
     from _bench import table
 
-    from qarl_cli.train.distributed import from_env
+    from qarl_cli.update.distributed import from_env
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="fsdp_memory.json")

@@ -3,8 +3,8 @@ quantized-rollout baseline) against the rollout-aligned forward (forward=aligned
 
 For each scheme the engine that serves it samples one rollout batch from the default warm-started tiny model
 (arith prompts x samples, at qarl train's default temperature and response length): real vLLM where it serves the
-scheme here (qarl_cli.capabilities: int8, and w4a16 in its fp16/bf16), the embedded torch engine elsewhere. Both
-trainer forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.mismatch,
+scheme here (qarl_cli.machine.capabilities: int8, and w4a16 in its fp16/bf16), the embedded torch engine elsewhere. Both
+trainer forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.update.mismatch,
 the training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
 Each row also gives the share of responses with error tokens; `--schemes none,w4a16` sets quantized sampling's
 beside the unquantized engine's.
@@ -50,7 +50,7 @@ def k3_by_position(old, rollout, mask) -> dict[str, float]:
     """k3_kl = mean(r - 1 - log r) over the response tokens at positions [a, b) of their response, per bucket."""
     import torch
 
-    from qarl_cli.mismatch import LOG_RATIO_CLAMP
+    from qarl_cli.update.mismatch import LOG_RATIO_CLAMP
 
     m = mask.bool()
     pos = m.long().cumsum(-1) - 1  # each token's index within its response
@@ -69,8 +69,8 @@ def trainer_logprobs(model, seqs):
     import torch
 
     from qarl_cli.config.root import TrainConfig
-    from qarl_cli.objectives import sequence_ratio_loss
-    from qarl_cli.train.learner import Learner
+    from qarl_cli.update.objectives import sequence_ratio_loss
+    from qarl_cli.update.learner import Learner
 
     return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs)
 
@@ -117,12 +117,12 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qarl_cli.config.root import TrainConfig
-    from qarl_cli.mismatch import mismatch_metrics
+    from qarl_cli.update.mismatch import mismatch_metrics
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.forward.aligned import align
+    from qarl_cli.update.sequences import pack
 
-    from qarl_cli.capabilities import checkpoint_is_moe
+    from qarl_cli.machine.capabilities import checkpoint_is_moe
 
     quant, _, kernel = spec.partition(":")
     moe = checkpoint_is_moe(src)
@@ -148,8 +148,8 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int,
             batch = served.generate(ids, samples, temperature, TrainConfig.top_p, max_tokens, seed=seed)
     finally:
         served.close()
-    from qarl_cli.evaluate import decode
-    from qarl_cli.mismatch import sequence_log_ratio
+    from qarl_cli.train.evaluate import decode
+    from qarl_cli.update.mismatch import sequence_log_ratio
 
     tok = AutoTokenizer.from_pretrained(str(src))
     seqs = pack(ids, batch, tok.pad_token_id if tok.pad_token_id is not None else 0)
@@ -197,8 +197,8 @@ def routing_row(model, seqs) -> dict[str, float]:
     """The forward with the learner's own routing: agreement with the engine's and k3_kl without replay."""
     import torch
 
-    from qarl_cli.train.distributed import Single
-    from qarl_cli.train.routing import no_replay_metrics
+    from qarl_cli.update.distributed import Single
+    from qarl_cli.update.routing_agreement import no_replay_metrics
 
     m = no_replay_metrics(model, seqs, Single(), 256, torch.device(device()))
     return {"routing agreement": m["moe/routing_agreement"], "agreement min layer": m["moe/routing_agreement_min_layer"],

@@ -63,10 +63,10 @@ def engine_logprobs(src: Path, prompts: list[list[int]], new_tokens: int, weight
 
 
 def learner_logprobs(model, samples: list[dict]):
-    """The learner's logprobs of the same tokens (qarl_cli.logprobs, one sequence per forward)."""
+    """The learner's logprobs of the same tokens (qarl_cli.forward.logprobs, one sequence per forward)."""
     import torch
 
-    from qarl_cli.logprobs import sequence_logprobs
+    from qarl_cli.forward.logprobs import sequence_logprobs
 
     logps = sequence_logprobs(model, [s["prompt"] + s["completion"] for s in samples], batch_size=1)
     n = [len(s["prompt"]) - 1 for s in samples]
@@ -79,7 +79,7 @@ def compare(model_path: Path, samples: list[dict], weight_qmax) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from qarl_cli.config.quant import Int8Config
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
     from qarl_cli.quant.int8 import Int8Scheme
 
     engine = {k: torch.tensor([x for s in samples for x in s[f"{k}_logprobs"]]) for k in ("prompt", "completion")}

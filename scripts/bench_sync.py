@@ -81,7 +81,7 @@ def case(src: Path, quant: str, dtype: str, bucket_mb: int, repeats: int, backen
     from qarl_cli.config.quant import SCHEMAS
     from qarl_cli.config.stages import InplaceSyncConfig, VLLMServerRolloutConfig
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
     from qarl_cli.sync.inplace import InplaceSync
     from qarl_cli.rollout.vllm_server import ServerEngine

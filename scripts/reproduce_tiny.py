@@ -5,7 +5,7 @@
     naive+tis   the same, with truncated importance sampling (C = 2)   ... algorithm.mismatch=tis
     qarl        quantized rollout, rollout-aligned training, TBPO      quant=Q forward=aligned algorithm=tbpo
 
-for Q in int8 (W8A8) and w4a16, each in real vLLM where it serves the scheme on this CPU (qarl_cli.capabilities),
+for Q in int8 (W8A8) and w4a16, each in real vLLM where it serves the scheme on this CPU (qarl_cli.machine.capabilities),
 else in the embedded torch engine, and several seeds each; and, with --settings, the ablations on the aligned
 learner (ABLATIONS below): the paper's, and TBPO as qarl ran it before 2026-12 (4 updates per batch, the old band).
 --task arith_cot (the default) is the long-response miniature, +experiment=tiny_cot (model=tiny_cot,
@@ -89,9 +89,9 @@ def runs(settings: list[str], schemes: list[str], seeds: int, ablation_schemes: 
 def engine_for(scheme: str) -> str:
     import torch
 
-    from qarl_cli.capabilities import vllm_serving
+    from qarl_cli.machine.capabilities import vllm_serving
 
-    # vLLM serves only some schemes on a CPU (qarl_cli.capabilities); the others use rollout=torch there
+    # vLLM serves only some schemes on a CPU (qarl_cli.machine.capabilities); the others use rollout=torch there
     return "vllm" if vllm_serving(scheme, moe=False, gpu=torch.cuda.is_available()).served else "torch"
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qarl_cli.advantages import group_advantages, signal_mask
+from qarl_cli.update.advantages import group_advantages, signal_mask
 
 # Three prompts, four samples each: mixed, all correct, one correct of four.
 REWARDS = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])

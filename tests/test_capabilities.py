@@ -1,4 +1,4 @@
-"""qarl_cli.capabilities: what vLLM serves on each CPU kind, checked against vLLM's own kernel selection with AMX
+"""qarl_cli.machine.capabilities: what vLLM serves on each CPU kind, checked against vLLM's own kernel selection with AMX
 reported present and absent (so on any CPU both branches are compared with the code that decides), the answers
 per CPU kind, and what a user gets for a scheme vLLM cannot serve: one line before anything loads."""
 
@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from qarl_cli.capabilities import (BUILD_LACKS, ENGINE_ENV, FLAGS_ENV, RULE_OPS, cpu_flags, cpu_kind,
+from qarl_cli.machine.capabilities import (BUILD_LACKS, ENGINE_ENV, FLAGS_ENV, RULE_OPS, cpu_flags, cpu_kind,
                                    vllm_build, vllm_serving)
-from qarl_cli.capabilities_probe import DTYPES_ENV
+from qarl_cli.machine.capabilities_probe import DTYPES_ENV
 
 AVX2 = frozenset({"avx2", "fma"})
 EPYC = frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"})
@@ -117,7 +117,7 @@ def test_each_cpu_kind_gets_its_answers(monkeypatch, flags, dtypes, kind, expect
 def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(monkeypatch, tmp_path):
     """The probe really starts vLLM (a child per dtype): float16 runs W4A16 on every CPU kind whose vLLM kernel
     library has the W4A16 GEMM, and nothing runs where it has none (AVX2)."""
-    from qarl_cli.capabilities_probe import w4a16_dtypes
+    from qarl_cli.machine.capabilities_probe import w4a16_dtypes
 
     monkeypatch.delenv(DTYPES_ENV, raising=False)
     monkeypatch.setenv("QARL_CACHE_DIR", str(tmp_path))
@@ -131,7 +131,7 @@ def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(mon
 
 
 def test_a_probe_never_asks_for_a_probe(monkeypatch):
-    from qarl_cli.capabilities_probe import _INSIDE, w4a16_dtypes
+    from qarl_cli.machine.capabilities_probe import _INSIDE, w4a16_dtypes
 
     monkeypatch.delenv(DTYPES_ENV, raising=False)
     monkeypatch.setenv(_INSIDE, "1")

@@ -80,7 +80,7 @@ def test_stop_ids_from_every_form_of_eos_token_id(eos, ids):
 
 def test_decoding_drops_the_stop_token_the_engine_stopped_at():
     """A response that ended with a stop token is decoded without it; one cut at the length limit keeps all."""
-    from qarl_cli.evaluate import decode
+    from qarl_cli.train.evaluate import decode
     from qarl_cli.rollout.base import RolloutBatch
 
     class Tok:

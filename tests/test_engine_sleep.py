@@ -43,7 +43,7 @@ def test_every_update_runs_between_a_sleep_and_a_wake(tmp_path, monkeypatch):
     """Two steps of the loop on the embedded engine and the default (warm-started) tiny model; the engine's sleep, wake_up, generate
     and load_weights calls and the learner's update are recorded in order."""
     from qarl_cli.rollout.torch_engine import TorchEngine
-    from qarl_cli.train.learner import Learner
+    from qarl_cli.update.learner import Learner
     from qarl_cli.cli import main
 
     calls = []

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from qarl_cli.evaluate import pass_at, pass_ks
+from qarl_cli.train.evaluate import pass_at, pass_ks
 
 
 @pytest.mark.parametrize("k", [1, 2, 4, 5, 8])

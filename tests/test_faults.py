@@ -94,7 +94,7 @@ def _poisoned(src, dst, names=2):
 
 
 def _learner(model):
-    from qarl_cli.train.distributed import Single
+    from qarl_cli.update.distributed import Single
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return SimpleNamespace(dist=Single(), optimizer=optimizer, skipped=0,
@@ -234,7 +234,7 @@ def test_a_writer_that_finishes_second_does_not_silently_replace_the_first(tiny,
 
 
 def test_publish_never_replaces_without_being_told(tmp_path):
-    from qarl_cli.scratch import publish
+    from qarl_cli.machine.scratch import publish
 
     for existing in ("empty-dir", "file"):
         tmp, out = tmp_path / f"tmp-{existing}", tmp_path / existing

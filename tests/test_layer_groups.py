@@ -1,7 +1,7 @@
 """The streamed gather's grouping of a state dict (train.distributed.layer_groups): a decoder layer's tensors
 travel together (the conversion back to checkpoint names is per layer), everything else alone, order kept."""
 
-from qarl_cli.train.distributed import layer_groups
+from qarl_cli.update.distributed import layer_groups
 
 
 def test_a_layer_is_one_group_and_the_rest_stand_alone():

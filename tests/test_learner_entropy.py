@@ -9,10 +9,10 @@ from qarl_cli.config.algorithm import TBPOConfig
 from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.config.root import TrainConfig
 from qarl_cli.models.tiny import ensure_tiny_model
-from qarl_cli.objectives import sequence_ratio_loss
+from qarl_cli.update.objectives import sequence_ratio_loss
 from qarl_cli.rollout.base import RolloutBatch
-from qarl_cli.train.learner import Learner
-from qarl_cli.train.sequences import pack
+from qarl_cli.update.learner import Learner
+from qarl_cli.update.sequences import pack
 
 
 def _entropy(model, seqs) -> float:

@@ -14,10 +14,11 @@ from qarl_cli.config.errors import ConfigError
 from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.config.root import TrainConfig
 from qarl_cli.models.tiny import ensure_tiny_model
-from qarl_cli.objectives import PolicyBatch, sequence_ratio_loss
+from qarl_cli.update.base import PolicyBatch
+from qarl_cli.update.objectives import sequence_ratio_loss
 from qarl_cli.rollout.base import RolloutBatch
-from qarl_cli.train.learner import Learner, token_logprobs
-from qarl_cli.train.sequences import pack
+from qarl_cli.update.learner import Learner, token_logprobs
+from qarl_cli.update.sequences import pack
 
 LR = 0.5
 # Responses of 1 to 5 tokens: micro-batches of 2 or 3 rows hold different token counts, so an unweighted mean of
@@ -99,7 +100,7 @@ def test_every_rank_runs_the_same_number_of_chunks_and_each_row_is_used_once(n, 
     with weightless stand-ins, and every row is used exactly once."""
     from types import SimpleNamespace
 
-    from qarl_cli.train.distributed import Distributed, rank_chunks
+    from qarl_cli.update.distributed import Distributed, rank_chunks
 
     rows = torch.arange(n)
     counts, used_rows = [], []

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from qarl_cli.mismatch import mismatch_metrics
+from qarl_cli.update.mismatch import mismatch_metrics
 
 LN2 = math.log(2)
 

@@ -11,10 +11,11 @@ import math
 import pytest
 import torch
 
-from qarl_cli.advantages import group_advantages
+from qarl_cli.update.advantages import group_advantages
 from qarl_cli.config.algorithm import LOSS_AGGS, MISMATCH_MODES, SCHEMAS, GRPOConfig, GSPOConfig, TBPOConfig
 from qarl_cli.config.errors import ConfigError
-from qarl_cli.objectives import AGGREGATIONS, DENOMINATORS, MISMATCH_LOG_RATIOS, PolicyBatch
+from qarl_cli.update.base import PolicyBatch
+from qarl_cli.update.objectives import AGGREGATIONS, DENOMINATORS, MISMATCH_LOG_RATIOS
 from qarl_cli.stages import StageUnavailable, resolve
 
 
@@ -397,7 +398,7 @@ def test_entropy_coef_subtracts_the_aggregated_entropy_and_its_gradient(name):
 def test_next_token_entropy_is_the_categorical_entropy_of_each_position():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from qarl_cli.logprobs import next_token_logprobs
+    from qarl_cli.forward.logprobs import next_token_logprobs
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

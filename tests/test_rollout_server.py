@@ -46,7 +46,7 @@ def _engine(src, quant, num_servers=1, **kw):
 def _trainer(src, quant):
     from transformers import AutoModelForCausalLM
 
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     return align(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32), build_scheme(quant, "cpu"))
 

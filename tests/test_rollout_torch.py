@@ -19,7 +19,7 @@ from qarl_cli.config.quant import SCHEMAS
 from qarl_cli.config.stages import TorchRolloutConfig
 from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
-from qarl_cli.quant.aligned import align
+from qarl_cli.forward.aligned import align
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
 from qarl_cli.quant.select import checkpoint_state
 from qarl_cli.rollout.base import WeightSyncError, build_engine

@@ -9,7 +9,7 @@ Engines run in fp32 so that "equal" can be tight. Each engine starts in a few se
 import pytest
 import torch
 
-from qarl_cli.capabilities import vllm_serving
+from qarl_cli.machine.capabilities import vllm_serving
 from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.quant import Int8Config, NoQuantConfig, W4A16Config
 from qarl_cli.config.stages import InplaceSyncConfig, VLLMRolloutConfig
@@ -43,7 +43,7 @@ def _trainer(src, quant=None):
     """The trainer's policy: the checkpoint in fp32, aligned with `quant`'s scheme when given."""
     from transformers import AutoModelForCausalLM
 
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     return align(model, build_scheme(quant, "cpu")) if quant is not None else model
@@ -99,7 +99,7 @@ def test_starting_an_engine_leaves_the_process_environment_as_it_was(dense):
 
 class TestOneEngine:
     def test_generate_shapes_and_logprobs_match_transformers(self, plain, dense):
-        from qarl_cli.logprobs import sequence_logprobs
+        from qarl_cli.forward.logprobs import sequence_logprobs
 
         prompts = PROBE[:3]
         batch = plain.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_tokens=10, seed=3)
@@ -200,7 +200,7 @@ class TestOneEngine:
 
 
 # vs the aligned trainer (fp32): int8, rounding flips in vLLM's kernels; W4A16, the engine computes in the dtype
-# its CPU kernel needs (fp16 or bf16: qarl_cli.capabilities), whose rounding of activations dominates.
+# its CPU kernel needs (fp16 or bf16: qarl_cli.machine.capabilities), whose rounding of activations dominates.
 SYNC_GAP = {"int8": 2e-3, "w4a16": 1e-2}
 
 

@@ -14,8 +14,8 @@ from qarl_cli.config.errors import ConfigError
 from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.quant import Int8Config, NoQuantConfig
 from qarl_cli.config.stages import TorchRolloutConfig
-from qarl_cli.moe.metrics import routing_agreement
-from qarl_cli.moe.routing import check_config, replay, wanted
+from qarl_cli.forward.routing_metrics import routing_agreement
+from qarl_cli.forward.routing import check_config, replay, wanted
 
 
 def _moe_model(seed=0, layers=1):
@@ -98,7 +98,7 @@ def test_replayed_forward_equals_the_layer_by_hand_and_the_router_gets_its_gradi
 
 def test_the_aligned_forward_replays_the_given_experts():
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import AlignedExperts, align
+    from qarl_cli.forward.aligned import AlignedExperts, align
 
     model = _moe_model()
     ids = torch.randint(0, 32, (2, 5))
@@ -165,10 +165,10 @@ def test_torch_engine_reports_its_routing_and_the_learner_replays_it(moe_src, qu
     from transformers import AutoModelForCausalLM
 
     from qarl_cli.quant import build_scheme
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
     from qarl_cli.rollout.torch_engine import TorchEngine
-    from qarl_cli.train.learner import token_logprobs
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.update.learner import token_logprobs
+    from qarl_cli.update.sequences import pack
 
     scheme = build_scheme(quant, "cpu")
     engine = TorchEngine(TorchRolloutConfig(), moe_src, scheme, dtype="float32")
@@ -215,7 +215,7 @@ def test_torch_engine_reports_its_routing_and_the_learner_replays_it(moe_src, qu
 def test_a_router_the_hook_was_not_written_for_is_refused_in_one_line():
     from torch import nn
 
-    from qarl_cli.moe.routing import routers
+    from qarl_cli.forward.routing import routers
 
     class OtherRouter(nn.Module):
         top_k = 2

@@ -1,5 +1,5 @@
 """The rollout engine's scratch copy of the served checkpoint (a real model's full quantized size, in /dev/shm) never
-outlives its process: removed on close, when vLLM fails to start and on SIGTERM (qarl_cli.signals), and after a
+outlives its process: removed on close, when vLLM fails to start and on SIGTERM (qarl_cli.machine.signals), and after a
 SIGKILL by the next engine's start-up sweep, which removes only the directories of dead processes.
 
 The engines run in child processes (a real SIGTERM or SIGKILL needs its own process), each under its own
@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from qarl_cli import scratch
+from qarl_cli.machine import scratch
 from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.rollout.vllm_engine import SCRATCH_PREFIX, _scratch_dir
@@ -106,7 +106,7 @@ def test_sigterm_ends_the_process_and_removes_the_engine_scratch(tiny, tmp_path)
     child = _child("""
         import sys, time
         from pathlib import Path
-        from qarl_cli import signals
+        from qarl_cli.machine import signals
         from qarl_cli.config.quant import Int8Config
         from qarl_cli.config.stages import VLLMRolloutConfig
         from qarl_cli.quant import build_scheme
@@ -130,7 +130,7 @@ def test_signals_install_makes_sigterm_an_orderly_exit(tmp_path):
     child = _child("""
         import atexit, sys, time
         from pathlib import Path
-        from qarl_cli import signals
+        from qarl_cli.machine import signals
         signals.install()
         atexit.register(lambda: Path(sys.argv[1], "atexit").write_text("ran"))
         try:
@@ -149,7 +149,7 @@ def test_signals_install_makes_sigterm_an_orderly_exit(tmp_path):
 def test_a_second_sigterm_while_unwinding_ends_the_process_at_once(tmp_path):
     child = _child("""
         import time
-        from qarl_cli import signals
+        from qarl_cli.machine import signals
         signals.install()
         try:
             print("@@ ready", flush=True)

@@ -1,11 +1,11 @@
-"""qarl_cli.signals: what a signal does to a qarl process, whatever the process was started with."""
+"""qarl_cli.machine.signals: what a signal does to a qarl process, whatever the process was started with."""
 
 import os
 import signal
 
 import pytest
 
-from qarl_cli import signals
+from qarl_cli.machine import signals
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ def _engine(kind, src, quant):
 def _model(src, quant=None):
     from transformers import AutoModelForCausalLM
 
-    from qarl_cli.quant.aligned import align
+    from qarl_cli.forward.aligned import align
 
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
     return align(model, build_scheme(quant, "cpu")) if quant is not None else model
@@ -60,7 +60,7 @@ def _generate(kind, src, quant, prompts, **kw):
 
 @pytest.mark.parametrize("kind", ["vllm", "torch"])
 def test_each_engine_samples_with_the_logprobs_of_transformers(smollm2, prompts, kind):
-    from qarl_cli.logprobs import sequence_logprobs
+    from qarl_cli.forward.logprobs import sequence_logprobs
 
     batch = _generate(kind, smollm2, NoQuantConfig(), prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=24,
                       seed=0)
@@ -103,9 +103,9 @@ def test_int8_engine_mismatch_is_the_w8a8_rounding_chaos_of_this_model(smollm2, 
     mismatch is that floor, nothing larger: an aligned forward would need vLLM's fp32 kernels bit for bit to get
     under it. Alignment itself is shown where the floor is low: the tiny models (tests/test_quant_vllm.py,
     tests/test_rollout_vllm.py, scripts/bench_mismatch.py: 61x)."""
-    from qarl_cli.mismatch import mismatch_metrics
-    from qarl_cli.train.learner import token_logprobs
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.update.mismatch import mismatch_metrics
+    from qarl_cli.update.learner import token_logprobs
+    from qarl_cli.update.sequences import pack
 
     batch = _generate("vllm", smollm2, Int8Config(), prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=48,
                       seed=0)
@@ -135,8 +135,8 @@ def test_one_update_with_each_forward_moves_the_masters(smollm2, prompts, forwar
     from qarl_cli.config.algorithm import TBPOConfig
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.stages import resolve
-    from qarl_cli.train.learner import Learner
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.update.learner import Learner
+    from qarl_cli.update.sequences import pack
 
     batch = _generate("torch", smollm2, Int8Config(), prompts[:2], n=2, temperature=1.0, top_p=1.0,
                       max_tokens=16, seed=0)

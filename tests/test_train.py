@@ -162,8 +162,8 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_weights(tmp_path):
     from qarl_cli.models.tiny import ensure_tiny_model
     from qarl_cli.rollout.base import RolloutBatch
     from qarl_cli.stages import resolve
-    from qarl_cli.train.learner import Learner
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.update.learner import Learner
+    from qarl_cli.update.sequences import pack
 
     src = ensure_tiny_model(TinyModelConfig(cache_dir=str(tmp_path), warm_start_steps=0, num_layers=1),
                             log=lambda _: None)
@@ -199,7 +199,7 @@ def test_paper_experiment_dry_run_on_the_tiny_moe(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: 1 step of 4 prompts x 2 samples" in out.stdout
     if not torch.cuda.is_available():
-        from qarl_cli.capabilities import vllm_serving
+        from qarl_cli.machine.capabilities import vllm_serving
 
         reason = vllm_serving("fp8_block", moe=True, gpu=False).reason  # AMX or not, vLLM serves no W8A8 fp8 here
         assert "device=cpu" in out.stdout and f"rollout=torch ({reason})" in out.stdout
@@ -218,7 +218,7 @@ def test_paper_experiment_composes_into_the_server_topology(tmp_path, forced):
     says why. Both branches run on every CPU: the other one with the probe's answer forced (QARL_CPU_FLAGS). On a
     CPU without AMX the forced answer starts a server vLLM cannot build: the run fails in one line that names
     the server log's root cause, not vLLM's "See root cause above"."""
-    from qarl_cli.capabilities import FLAGS_ENV, cpu_flags, vllm_serving
+    from qarl_cli.machine.capabilities import FLAGS_ENV, cpu_flags, vllm_serving
 
     amx = {"amx_tile", "amx_int8", "amx_bf16"}
     flags = cpu_flags()

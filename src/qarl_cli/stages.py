@@ -13,7 +13,7 @@ What each group's implementation is called with (one contract per stage):
 | forward   | (cfg, scheme).apply(model) -> model        | quant.aligned                                    |
 | rollout   | (cfg, model_dir, scheme, ...) -> engine    | rollout.base.RolloutEngine                       |
 | reward    | (cfg) -> reward                            | reward.base.Reward                               |
-| algorithm | the loss function itself                   | objectives.Objective                             |
+| algorithm | the loss function itself                   | update.base.Objective                             |
 | sync      | (cfg, scheme, plan, probe, gather) -> sync | sync.base.Sync                                   |
 | logger    | (cfg, run_dir, config dict) -> logger      | train.loggers.Logger                             |
 """

@@ -19,14 +19,14 @@ def run(cfg: EvalConfig, run_dir: Path) -> int:
 
     from qarl_cli.data.prompts import check_lengths, encode
     from qarl_cli.data.splits import load_splits
-    from qarl_cli.evaluate import evaluate, pass_ks
+    from qarl_cli.train.evaluate import evaluate, pass_ks
     from qarl_cli.models.integrity import check_checkpoint
     from qarl_cli.models.resolve import model_dir
     from qarl_cli.quant import build_scheme
     from qarl_cli.rollout.base import build_engine, context_length
     from qarl_cli.stages import resolve
 
-    from qarl_cli.capabilities import require_served
+    from qarl_cli.machine.capabilities import require_served
 
     require_served(cfg)
     console = Console(markup=False, highlight=False, soft_wrap=True)

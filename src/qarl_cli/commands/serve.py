@@ -30,7 +30,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> int:
     from qarl_cli.rollout.routing import resolve_routing
     from qarl_cli.rollout.server_launch import server_command
 
-    from qarl_cli.capabilities import require_served
+    from qarl_cli.machine.capabilities import require_served
 
     rollout = cfg.rollout
     dtype = require_served(cfg).dtype or cfg.model.dtype  # W4A16 on CPU: the kernel's bf16 or fp16

@@ -4,7 +4,7 @@ dry_run=true builds every stage and runs one small step (4 prompts x 2 samples, 
 evaluation or checkpoints: a cheap check of a config's code path, e.g. a paper-scale experiment preset on the tiny
 MoE model. Where this machine cannot run the preset's choice, the dry run says so and substitutes: the CPU for a
 missing GPU, and the embedded engine (same quantized modules) for a scheme vLLM cannot serve here
-(qarl_cli.capabilities). A run that is not a dry run refuses such a scheme in one line instead."""
+(qarl_cli.machine.capabilities). A run that is not a dry run refuses such a scheme in one line instead."""
 
 from __future__ import annotations
 
@@ -16,14 +16,14 @@ from qarl_cli.config.root import TrainConfig
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
     from qarl_cli.quant.base import resolve_device
-    from qarl_cli.train.distributed import from_env
+    from qarl_cli.update.distributed import from_env
     from qarl_cli.train.loop import train
 
-    from qarl_cli.capabilities import require_served
+    from qarl_cli.machine.capabilities import require_served
 
     cfg = dry(cfg) if cfg.dry_run else cfg
     require_served(cfg)  # a scheme vLLM cannot serve here: one line now, not a vLLM traceback minutes later
-    from qarl_cli.moe.routing import check_config
+    from qarl_cli.forward.routing import check_config
 
     check_config(cfg)  # rollout.routing_replay=true for a dense model: one line now
     dist = from_env(resolve_device(cfg.device))  # torchrun: one process group for the run
@@ -69,7 +69,7 @@ def own(run_dir: Path, cfg: TrainConfig) -> None:
 def dry(cfg: TrainConfig) -> TrainConfig:
     import torch
 
-    from qarl_cli.capabilities import engine_serving
+    from qarl_cli.machine.capabilities import engine_serving
     from qarl_cli.config.stages import TorchRolloutConfig
 
     changes: dict = dict(steps=1, prompts_per_step=min(cfg.prompts_per_step, 4),

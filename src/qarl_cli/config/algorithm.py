@@ -75,7 +75,7 @@ class TBPOConfig(AlgorithmConfig):
     band of 1e-3, negatives clipped on both sides, sequence mismatch weight clipped to [1/C, C], nothing dropped."""
 
     name: str = "tbpo"
-    impl: ClassVar[str] = "qarl_cli.objectives:sequence_ratio_loss"
+    impl: ClassVar[str] = "qarl_cli.update.objectives:sequence_ratio_loss"
     eps_low: float = 1e-3  # a positive sample's lower end does not act (PPO's min), so this one is moot for tbpo
     eps_high: float = 1e-3
     eps_neg_low: float = 1e-3
@@ -94,7 +94,7 @@ class GSPOConfig(AlgorithmConfig):
     """GSPO: the same sequence ratio, symmetric-rule PPO clip, no mismatch weight."""
 
     name: str = "gspo"
-    impl: ClassVar[str] = "qarl_cli.objectives:sequence_ratio_loss"
+    impl: ClassVar[str] = "qarl_cli.update.objectives:sequence_ratio_loss"
     eps_low: float = 3e-4
     eps_high: float = 4e-4
     eps_neg_low: float = 3e-4  # used only with dual_clip=true, which then gives TBPO's negative band
@@ -106,7 +106,7 @@ class GRPOConfig(AlgorithmConfig):
     """GRPO: per-token ratio, PPO clip 0.2."""
 
     name: str = "grpo"
-    impl: ClassVar[str] = "qarl_cli.objectives:token_ratio_loss"
+    impl: ClassVar[str] = "qarl_cli.update.objectives:token_ratio_loss"
     eps_low: float = 0.2
     eps_high: float = 0.2
     eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 1 + eps_neg_high = 3
@@ -118,7 +118,7 @@ class DAPOConfig(AlgorithmConfig):
     """DAPO: per-token ratio, asymmetric clip 0.2 / 0.28 ("clip-higher"), token-mean loss."""
 
     name: str = "dapo"
-    impl: ClassVar[str] = "qarl_cli.objectives:token_ratio_loss"
+    impl: ClassVar[str] = "qarl_cli.update.objectives:token_ratio_loss"
     eps_low: float = 0.2
     eps_high: float = 0.28
     eps_neg_low: float = 0.2  # with dual_clip=true: classic dual-clip PPO with c = 3

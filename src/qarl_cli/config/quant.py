@@ -75,7 +75,7 @@ class W4A16Config(QuantConfig):
     # The dtype each group's scale (amax / 7) is rounded to before the weights are divided by it: the one the
     # serving engine holds scales in, so that the checkpoint qarl writes (from weights stored in bf16, say) and
     # the trainer's sync and aligned forward (from fp32 masters) compute the same int4 values. null: the dtype
-    # vLLM's W4A16 kernel runs in on this CPU (qarl_cli.capabilities), else bfloat16 (GPU engines in the presets'
+    # vLLM's W4A16 kernel runs in on this CPU (qarl_cli.machine.capabilities), else bfloat16 (GPU engines in the presets'
     # bf16; rollout=torch). Resolved in qarl_cli.quant.w4a16.W4A16Scheme.scale_dtype.
     scale_dtype: Optional[str] = None
     DOMAINS: ClassVar[dict] = {"group_size": ge(8)}

@@ -68,7 +68,7 @@ def run_id() -> str:
 def hydra_settings(command: str, option_lists: dict[str, list[str]]) -> dict:
     """Hydra's own settings for one command: unique run directories, no chdir, and a help page that lists
     the command's groups (Hydra's default page would also list the internal schema/ groups)."""
-    from qarl_cli.library_logs import job_logging
+    from qarl_cli.config.library_logs import job_logging
 
     groups = "\n".join(f"  {g}: {', '.join(opts)}" for g, opts in option_lists.items())
     template = (f"qarl {command}: {{COMMAND_HELP}}\n\nusage: qarl {command} [GROUP=OPTION ...] [KEY=VALUE ...] "
@@ -78,7 +78,7 @@ def hydra_settings(command: str, option_lists: dict[str, list[str]]) -> dict:
         "run": {"dir": "outputs/${now:%Y-%m-%d}/${qarl_run_id:}"},
         "sweep": {"dir": "multirun/${now:%Y-%m-%d}/${qarl_run_id:}", "subdir": "${hydra.job.num}"},
         "job": {"chdir": False, "name": command},
-        "job_logging": job_logging(),  # libraries' records into the run's engine.log (qarl_cli.library_logs)
+        "job_logging": job_logging(),  # libraries' records into the run's engine.log (qarl_cli.config.library_logs)
         "help": {"app_name": f"qarl {command}", "template": template},
     }
 
@@ -94,7 +94,7 @@ def register() -> None:
     for group, schemas in GROUPS.items():
         for name, schema in schemas.items():
             cs.store(group=group, name=name, node=schema)
-    from qarl_cli.usage import COMMANDS
+    from qarl_cli.config.usage import COMMANDS
 
     for command in ROOTS:
         lists = {g: options(g) for g in [*command_groups(command), *(["experiment"] if command == "train" else [])]}

@@ -19,7 +19,7 @@ class RolloutConfig:
     # synchronous loop (resume is exact only there). Under torchrun rank 0 generates and broadcasts each batch.
     max_staleness: int = 0
     # Rollout routing replay (R3) for MoE models: the engine returns the experts each MoE layer routed every token
-    # to, and the learner's forwards use those experts (qarl_cli.moe.routing). null: on exactly when the model has
+    # to, and the learner's forwards use those experts (qarl_cli.forward.routing). null: on exactly when the model has
     # experts (and the engine can return them); true for a dense model is refused.
     routing_replay: Optional[bool] = None
     DOMAINS: ClassVar[dict] = {"max_staleness": ge(0, "0: the synchronous loop")}
@@ -164,7 +164,7 @@ class AlignedForwardConfig(ForwardConfig):
     """The rollout's quantized weights and activation quantization, straight-through gradients to the masters."""
 
     name: str = "aligned"
-    impl: ClassVar[str] = "qarl_cli.quant.aligned:AlignedForward"
+    impl: ClassVar[str] = "qarl_cli.forward.aligned:AlignedForward"
 
 
 @dataclass
@@ -172,7 +172,7 @@ class BF16ForwardConfig(ForwardConfig):
     """The model as it is: the naive quantized-rollout baseline when quant is not none."""
 
     name: str = "bf16"
-    impl: ClassVar[str] = "qarl_cli.quant.aligned:BF16Forward"
+    impl: ClassVar[str] = "qarl_cli.forward.aligned:BF16Forward"
 
 
 FORWARD_SCHEMAS = {"aligned": AlignedForwardConfig, "bf16": BF16ForwardConfig}

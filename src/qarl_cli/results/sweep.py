@@ -1,7 +1,7 @@
 """A sweep ends with its comparison: summary.md, summary.json and summary.png in the sweep directory, and the
 tables on the console.
 
-Hooked in as a Hydra callback (conf/train.yaml, hydra.callbacks) rather than after the launch in qarl_cli.app:
+Hooked in as a Hydra callback (conf/train.yaml, hydra.callbacks) rather than after the launch in qarl_cli.cli.app:
 Hydra calls on_multirun_end once every job has returned, with the sweep's config, whichever launcher ran the
 jobs (in this process, or in others where this process never sees their return values); the summary reads
 only what the jobs wrote into their directories."""

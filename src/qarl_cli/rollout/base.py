@@ -46,7 +46,7 @@ class RolloutBatch:
     finish_reasons: list[str]  # one of FINISH_REASONS
     seconds: float = 0.0  # wall time of the generate call
     meta: dict = field(default_factory=dict)
-    # Routing replay (qarl_cli.moe.routing): per sample, the experts each MoE layer routed every token the engine
+    # Routing replay (qarl_cli.forward.routing): per sample, the experts each MoE layer routed every token the engine
     # ran to, int16 [prompt + response - 1, layers, top_k] from position 0; None when the engine returns none.
     routed_experts: Optional[list[torch.Tensor]] = None
 

@@ -1,4 +1,4 @@
-"""Routing replay on the vLLM engines (qarl_cli.moe.routing): whether this vLLM can return the experts it routed
+"""Routing replay on the vLLM engines (qarl_cli.forward.routing): whether this vLLM can return the experts it routed
 each token to, and the routing it returns, checked. vLLM 0.32 returns them with `enable_return_routed_experts`
 (`--enable-return-routed-experts` for a server) from its Model Runner V2 only: per completion, [prompt + response - 1,
 layers, top_k] from prompt token `routed_experts_prompt_start` (0 here) on; a server sends them base64 .npy in
@@ -30,9 +30,9 @@ def routing_unavailable() -> Optional[str]:
 
 def resolve_routing(cfg: Any, model_dir: Path, engine: str) -> tuple[bool, Optional[str]]:
     """(routing replay on, the one-line note when it was asked for by default but is off): rollout.routing_replay
-    for this model (qarl_cli.moe.routing.wanted), refused in one line when set true where vLLM cannot honour it."""
-    from qarl_cli.capabilities import checkpoint_is_moe
-    from qarl_cli.moe.routing import wanted
+    for this model (qarl_cli.forward.routing.wanted), refused in one line when set true where vLLM cannot honour it."""
+    from qarl_cli.machine.capabilities import checkpoint_is_moe
+    from qarl_cli.forward.routing import wanted
 
     on = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
     why = routing_unavailable() if on else None

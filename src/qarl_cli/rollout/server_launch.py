@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from qarl_cli.capabilities import ENGINE_ENV
+from qarl_cli.machine.capabilities import ENGINE_ENV
 from qarl_cli.config.errors import UserError
 from qarl_cli.rollout.server_auth import KEY_ENV
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qarl_cli.config.errors import UserError
-from qarl_cli.signals import die_with_parent
+from qarl_cli.machine.signals import die_with_parent
 
 NAME = "rollout=vllm_server"
 

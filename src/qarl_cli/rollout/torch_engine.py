@@ -19,10 +19,10 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from qarl_cli.config.stages import TorchRolloutConfig
-from qarl_cli.capabilities import checkpoint_is_moe
-from qarl_cli.logprobs import sequence_logprobs
-from qarl_cli.moe.routing import Recorder, wanted
-from qarl_cli.quant.aligned import AlignedExperts, AlignedLinear, align, refresh
+from qarl_cli.machine.capabilities import checkpoint_is_moe
+from qarl_cli.forward.logprobs import sequence_logprobs
+from qarl_cli.forward.routing import Recorder, wanted
+from qarl_cli.forward.aligned import AlignedExperts, AlignedLinear, align, refresh
 from qarl_cli.quant.base import resolve_device
 from qarl_cli.quant.checkpoint import plan_for, quantized_state
 from qarl_cli.quant.select import checkpoint_state, is_fused_experts

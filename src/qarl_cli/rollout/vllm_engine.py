@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from qarl_cli import library_logs
+from qarl_cli.config import library_logs
 from qarl_cli.config.stages import VLLMRolloutConfig
 from qarl_cli.rollout.base import RolloutBatch, WeightSyncError
 from qarl_cli.rollout.routing import ENV as ROUTING_ENV, checked, resolve_routing
@@ -33,9 +33,9 @@ SCRATCH_PREFIX = "qarl-engine-"
 
 
 def _scratch_dir(workdir: Optional[Path]) -> Path:
-    """The engine's scratch directory, named after this process (qarl_cli.scratch): those of dead processes (a
+    """The engine's scratch directory, named after this process (qarl_cli.machine.scratch): those of dead processes (a
     SIGKILL, a crash) under the same parent are removed first."""
-    from qarl_cli import scratch
+    from qarl_cli.machine import scratch
 
     if workdir is not None:
         return scratch.make(Path(workdir), SCRATCH_PREFIX)
@@ -100,7 +100,7 @@ class VLLMEngine:
             import vllm  # noqa: F401
         except ImportError as e:
             raise StageUnavailable(f"rollout=vllm: vLLM is not installed ({e}); use rollout=torch") from None
-        from qarl_cli import capabilities
+        from qarl_cli.machine import capabilities
 
         # the dtype the scheme's kernel needs (W4A16 on CPU: bf16 or fp16), else the model's
         dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
@@ -112,7 +112,7 @@ class VLLMEngine:
         self.on_restart: list = []  # the sync's replay hook (servers restart; an in-process engine does not)
         self.llm = None
         self.scratch = _scratch_dir(workdir)
-        # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.signals turns
+        # Removed by close(), at interpreter exit (normal, an exception, SystemExit: qarl_cli.machine.signals turns
         # SIGTERM into one), or when start-up fails; after a SIGKILL, by the next engine's start-up sweep.
         self._remove_scratch = weakref.finalize(self, shutil.rmtree, str(self.scratch), ignore_errors=True)
         try:

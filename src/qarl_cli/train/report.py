@@ -13,7 +13,7 @@ from rich.table import Table
 def evaluate_now(run: Any, step: int, console: Any, metrics: Optional[dict] = None) -> list[dict]:
     """Evaluate the engine's current weights on the test split; the eval/* keys go into `metrics` (or are
     logged on their own at `step` when there is no step's metrics, as at the start). Returns one history row."""
-    from qarl_cli.evaluate import evaluate
+    from qarl_cli.train.evaluate import evaluate
 
     cfg = run.cfg
     problems, prompts = run.splits.test, run.test_prompts

@@ -39,7 +39,7 @@ class Rollouts:
     def __init__(self, run: Any, stream: Iterator, start_step: int, version: int = 0,
                  saved: Optional[dict] = None) -> None:
         """saved: what a checkpoint's `record()` wrote (its in-flight steps' problems are not in `stream`)."""
-        from qarl_cli.train.distributed import MainEngine
+        from qarl_cli.update.distributed import MainEngine
 
         self.run, self.stream, self.k = run, stream, run.cfg.rollout.max_staleness
         self.version = version  # weights the engine serves: bumped by the loop after each sync

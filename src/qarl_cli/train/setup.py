@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from qarl_cli.reward.base import RewardFn
     from qarl_cli.rollout.base import RolloutEngine
     from qarl_cli.sync.base import Sync
-    from qarl_cli.train.distributed import Single
-    from qarl_cli.train.learner import Learner
+    from qarl_cli.update.distributed import Single
+    from qarl_cli.update.learner import Learner
     from qarl_cli.train.loggers import Logger
 
 
@@ -78,8 +78,8 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
     from qarl_cli.quant.checkpoint import load_meta_model, plan_for
     from qarl_cli.rollout.base import context_length
     from qarl_cli.stages import resolve
-    from qarl_cli.train.distributed import MainEngine, MainReward, Single
-    from qarl_cli.train.learner import Learner
+    from qarl_cli.update.distributed import MainEngine, MainReward, Single
+    from qarl_cli.update.learner import Learner
     from qarl_cli.train import rundir
     from qarl_cli.train.loggers import NullLogger
     from qarl_cli.train.state import check_steps_left, find_resume, load_trainer_state

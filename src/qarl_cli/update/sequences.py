@@ -1,6 +1,6 @@
 """Rollouts as tensors: prompt + response right-padded into one [B, L] batch, with the response mask and the
 engine's logprobs placed where the trainer's next-token logprobs land (position t predicts token t + 1), and, when
-the engine returned them, the experts it routed each token to (routing replay, qarl_cli.moe.routing)."""
+the engine returned them, the experts it routed each token to (routing replay, qarl_cli.forward.routing)."""
 
 from __future__ import annotations
 

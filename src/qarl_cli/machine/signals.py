@@ -13,7 +13,7 @@ raised again by `check()`, which the training loop calls at every stage boundary
 
 A second signal while the process unwinds takes the default action (the process dies at once: a user who asks
 twice means it, and a process that caught the first one and went on must stay killable). SIGKILL cannot be
-caught: what a killed process leaves is removed by the next one (qarl_cli.scratch)."""
+caught: what a killed process leaves is removed by the next one (qarl_cli.machine.scratch)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from qarl_cli.logprobs import next_token_logprobs
-from qarl_cli.moe.metrics import agreement_counts
-from qarl_cli.moe.routing import replay
-from qarl_cli.train.distributed import rank_chunks
-from qarl_cli.train.sequences import Sequences
+from qarl_cli.forward.logprobs import next_token_logprobs
+from qarl_cli.forward.routing_metrics import agreement_counts
+from qarl_cli.forward.routing import replay
+from qarl_cli.update.distributed import rank_chunks
+from qarl_cli.update.sequences import Sequences
 
 
 @torch.no_grad()

