@@ -61,3 +61,26 @@ def check_blocks(k: int, block: int, scheme: str) -> None:
 
         raise ConfigError(f"quant={scheme}: a linear's input dimension ({k}) of this model is not a multiple of "
                           f"the format's block of {block}; add the layer to quant.ignore")
+
+
+def share_scales(model: torch.nn.Module, group_of) -> None:
+    """Tell each aligned linear of `model` the others it shares a global scale with (`group_of(module name)`:
+    the same name for one group), so that its Wq uses the group's amax and is rebuilt when any of them changes."""
+    from qarl_cli.quant.aligned import AlignedLinear
+
+    if group_of is None:  # a scheme without shared scales
+        return
+    groups: dict[str, list] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, AlignedLinear):
+            groups.setdefault(group_of(name), []).append(m)
+    for members in groups.values():
+        for m in members:
+            m.fused = tuple(members) if len(members) > 1 else ()
+
+
+def group_amax(w: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    """The amax of a fused group: `module`'s from `w` (under FSDP, the master gathered for this forward or
+    backward), the others' from their weights."""
+    others = [m.weight.detach().float().abs().amax() for m in module.fused if m is not module]
+    return torch.stack([w.float().abs().amax(), *others]).amax()

@@ -28,6 +28,10 @@ from qarl_cli.quant.fp4 import E2M1_MAX, block_amax, check_blocks, decode_e2m1, 
 from qarl_cli.quant.numerics import E4M3_MAX, div_rn, round_e4m3, use_triton
 
 BLOCK = 16
+# vLLM serves these checkpoint matrices as one layer (qkv_proj, gate_up_proj, an expert's w13) and scales all of
+# them by the largest of their global scales (compressed_tensors_w4a4_nvfp4.py, process_weights_after_loading),
+# so they must share one: g from the amax of them all, as llm-compressor writes them.
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 FP4_TIMES_E4M3 = E4M3_MAX * E2M1_MAX  # 2688: the largest value a block can hold at global scale 1
 ZERO_SCALE = 0.125  # compressed-tensors' stand-in for an e4m3 scale of 0 (`_get_dtype_eps`)
 
@@ -50,6 +54,13 @@ def quantize_weight_ref(w: torch.Tensor, amax: Optional[torch.Tensor] = None) ->
     codes = round_e2m1(div_rn(w32, step).clamp(-E2M1_MAX, E2M1_MAX))
     return {"weight_packed": pack_e2m1(codes), "weight_scale": s32.to(torch.float8_e4m3fn),
             "weight_global_scale": g.reshape(*g.shape[:-2], 1)}
+
+
+def fused_group(prefix: str) -> str:
+    """The name of the group of matrices that share a global scale with `prefix` (itself when none do)."""
+    parent, _, leaf = prefix.rpartition(".")
+    names = next((f for f in FUSED if leaf in f), None)
+    return f"{parent}.{'+'.join(names)}" if names else prefix
 
 
 def dequantize_ref(packed: Packed, dtype: torch.dtype) -> torch.Tensor:
@@ -84,13 +95,16 @@ class NvFp4Scheme(SchemeBase):
         self.quantizes_activations = cfg.activations
         self.input_global_scale = global_scale(torch.tensor(cfg.input_amax, dtype=torch.float32))
 
-    def quantize(self, w: torch.Tensor) -> Packed:
+    fused_group = staticmethod(fused_group)  # callers that hold several matrices give quantize their group's amax
+
+    def quantize(self, w: torch.Tensor, amax: Optional[torch.Tensor] = None) -> Packed:
+        """amax: the global amax of w's fused group (default: w's own)."""
         check_blocks(w.shape[-1], BLOCK, self.name)
         if use_triton(w):
             from qarl_cli.quant.triton_kernels import weight_quant_nvfp4
 
-            return weight_quant_nvfp4(w)
-        return quantize_weight_ref(w)
+            return weight_quant_nvfp4(w, amax)
+        return quantize_weight_ref(w, amax)
 
     def dequantize(self, packed: Packed, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_ref(packed, dtype)
