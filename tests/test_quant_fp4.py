@@ -152,3 +152,40 @@ class _eager:
 
     def __exit__(self, *exc):
         setattr(self.owner, self.name, self.saved)
+
+
+def test_vllm_serves_fp4_only_on_a_gpu():
+    from qarl_cli.capabilities import vllm_serving
+
+    for name in ("nvfp4", "mxfp4"):
+        for moe in (False, True):
+            cpu = vllm_serving(name, moe=moe, gpu=False, flags=frozenset({"avx512f", "amx_tile", "amx_bf16"}))
+            assert not cpu.served and f"no CPU kernel for {name}" in cpu.reason
+            gpu = vllm_serving(name, moe=moe, gpu=True)
+            assert gpu.served and "Blackwell" in gpu.kernel and "Marlin" in gpu.kernel
+
+
+def test_rollout_vllm_is_refused_in_one_line_and_a_dry_run_moves_to_torch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from qarl_cli.commands.train import dry
+    from qarl_cli.config.registry import conf_dir, register, validate
+
+    out = subprocess.run([sys.executable, "-m", "qarl_cli.cli", "train", "quant=nvfp4",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert lines[0].startswith("qarl train: error: rollout=vllm cannot serve quant=nvfp4") and "rollout=torch" in lines[0]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    register()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        cfg = validate(compose(config_name="train", overrides=["quant=mxfp4", "device=cpu"]), "train")
+    GlobalHydra.instance().clear()
+    assert cfg.rollout.name == "vllm" and dry(cfg).rollout.name == "torch"
