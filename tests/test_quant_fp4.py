@@ -189,3 +189,27 @@ def test_rollout_vllm_is_refused_in_one_line_and_a_dry_run_moves_to_torch(tmp_pa
         cfg = validate(compose(config_name="train", overrides=["quant=mxfp4", "device=cpu"]), "train")
     GlobalHydra.instance().clear()
     assert cfg.rollout.name == "vllm" and dry(cfg).rollout.name == "torch"
+
+
+def test_lowbit_tracking_online_uses_the_shared_global_scale():
+    """Raising k_proj's amax changes the global scale q_proj shares with it, so both matrices change: the online
+    tracker (quantizing masters) counts what the prequantized one (watching the packed stream) sees."""
+    from qarl_cli.quant.checkpoint import quantized_state
+    from qarl_cli.quant.select import CheckpointPlan
+    from qarl_cli.sync.lowbit_changes import LowbitChanges
+
+    names = ("l.q_proj.weight", "l.k_proj.weight", "l.o_proj.weight")
+    plan = CheckpointPlan(frozenset(names), ())
+    scheme = nvfp4.NvFp4Scheme(NvFp4Config(), "cpu")
+    state = {n: torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) * 0.1 for i, n in enumerate(names)}
+    figures = {}
+    for mode in ("prequantized", "online"):
+        tracker = LowbitChanges(scheme, plan, mode)
+        s = {n: t.clone() for n, t in state.items()}
+        stream = (lambda: quantized_state(s, scheme, plan)) if mode == "prequantized" else (lambda: iter(s.items()))
+        tracker.prime(stream())
+        s["l.k_proj.weight"][0, 0] = 5.0  # the group's new amax
+        list(tracker.watch(stream()))
+        figures[mode] = tracker.commit()
+    assert figures["online"] == figures["prequantized"]
+    assert figures["online"]["sync/lowbit_changed_tensors"] == 2  # q and k; o has its own global scale
