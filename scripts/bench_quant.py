@@ -9,9 +9,10 @@ Prints two tables and writes JSON. Starts one in-process vLLM engine (about 20 s
 --formats w4a16,nvfp4,nvfp4:a16,mxfp4,mxfp4:a16 (`:a16`: weight-only) --model tiny_arith|smollm2_135m compares
 4-bit formats instead (no vLLM): per format, the relative Frobenius error ||W - deq(Q(W))|| / ||W|| over all
 quantized weights (and the worst layer's), and k3 = mean(r - 1 - log r), r = p_quantized / p_unquantized, over
-the response tokens of samples the unquantized model drew (the embedded torch engine, arith prompts for the tiny model, GSM8K test prompts for SmolLM2), both
-scored by the learner's forward: the quantized one is the aligned forward (weights, and activations where the
-format quantizes them). w4a16 takes the largest group up to 128 the model's widths allow (64 for SmolLM2)."""
+the response tokens of samples the unquantized model drew (the embedded torch engine, arith prompts for the tiny
+model, GSM8K test prompts for SmolLM2), both scored by the learner's forward: the quantized one is the aligned
+forward (weights, and activations where the format quantizes them). w4a16 takes the largest group up to 128 the
+model's widths allow (64 for SmolLM2)."""
 
 from __future__ import annotations
 
