@@ -95,6 +95,8 @@ class _Fp4Config(QuantConfig):
 
     # true: W4A4, activations quantized per block of each token as the engine does before its GEMM (Blackwell);
     # false: weight-only (W4A16), the activations stay in the compute dtype (vLLM's Marlin fallback on Hopper).
+    # nvfp4 writes it into the checkpoint (no input_activations: vLLM's NVFP4A16 everywhere); for mxfp4 vLLM
+    # decides by the GPU alone (W4A4 on Blackwell with FlashInfer, else Marlin), so set it to match the GPU.
     activations: bool = True
 
     def __post_init__(self) -> None:
