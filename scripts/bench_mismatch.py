@@ -7,7 +7,7 @@ scheme here (qarl_cli.machine.capabilities: int8, and w4a16 in its fp16/bf16), t
 trainer forwards then score the very same tokens (as qarl train's learner does), and mismatch/* (qarl_cli.update.mismatch,
 the training metrics) compares each with the engine's logprobs. Target: aligned k3_kl at least 10x below bf16's.
 Each row also gives the share of responses with error tokens; `--schemes none,w4a16` sets quantized sampling's
-beside the unquantized engine's.
+beside the unquantized engine's; `--schemes w4a16,nvfp4,mxfp4` the fp4 formats beside W4A16.
 
     .venv/bin/python scripts/bench_mismatch.py [--out bench_mismatch.json] [--prompts 64] [--samples 8]
                                                [--model tiny_arith|tiny_cot|tiny_moe|smollm2_135m] [--max-tokens N]
@@ -24,7 +24,7 @@ data option and `data:` block, its `temperature`), e.g. `--model smollm2_135m --
 the real model is trained on. The error-token columns split the share of responses with error tokens into loops,
 truncation and garble (qarl_cli.reward.error_tokens).
 
---model tiny_moe (warm-started on arith) adds routing replay (qarl_cli.moe): the engine returns the experts it routed
+--model tiny_moe (warm-started on arith) adds routing replay (qarl_cli.forward.routing): the engine returns the experts it routed
 each token to, and each trainer forward is measured twice, replaying them (`k3_kl`, as qarl train's learner with
 rollout.routing_replay on) and with its own routing (`k3_kl no replay`), with `routing agreement` (the share of
 (token, layer) pairs whose top-k set is the engine's) and its lowest layer. vLLM returns routed experts only where
@@ -136,8 +136,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int,
             print(f"[bench] quant={quant}: {why}: its routing is recorded by a callback on its routers instead, one "
                   "request at a time (scripts/_vllm_routing.py)", flush=True)
             kind = "vllm (router callback)"
-    served = engine(kind.split()[0], src, quant, max_model_len=max(map(len, ids)) + max_tokens,
-                    **({"group_size": w4a16_group(src)} if quant == "w4a16" else {}))
+    served = engine(kind.split()[0], src, quant, max_model_len=max(map(len, ids)) + max_tokens, **settings(quant, src))
     try:
         if kind == "vllm (router callback)":
             import _vllm_routing
@@ -174,7 +173,7 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int,
     for forward in ("bf16", "aligned"):
         model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype).to(device()).eval()
         if forward == "aligned":
-            qcfg = scheme_config(quant, src, **({"kernel": kernel} if kernel else {}))
+            qcfg = scheme_config(quant, src, **({"kernel": kernel} if kernel else {}), **settings(quant, src))
             model = align(model, build_scheme(qcfg, device()))
         old = trainer_logprobs(model, seqs)
         per_seq[f"{forward} log_w"] = sequence_log_ratio(old, seqs.rollout_logprobs, seqs.mask).tolist()
@@ -191,6 +190,18 @@ def measure(src, spec: str, ids: list, samples: int, seed: int, max_tokens: int,
     row["target met (>= 10x)"] = ratio >= 10
     print(row, flush=True)
     return row, per_seq
+
+
+def settings(quant: str, src) -> dict:
+    """w4a16's group size for the checkpoint; for nvfp4 / mxfp4 the activations of the engine serving them here
+    (vLLM: W4A4 on Blackwell, sm_100 and up, weight-only through Marlin before it; the torch engine: W4A4)."""
+    if quant == "w4a16":
+        return {"group_size": w4a16_group(src)}
+    if quant in ("nvfp4", "mxfp4"):
+        import torch
+
+        return {"activations": not torch.cuda.is_available() or torch.cuda.get_device_capability(0)[0] >= 10}
+    return {}
 
 
 def routing_row(model, seqs) -> dict[str, float]:
@@ -241,7 +252,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16")
+    ap.add_argument("--schemes", default="int8,int8:lowbit,fp8_block,w4a16",
+                    help="also none, nvfp4, mxfp4 (on a CPU those take the torch engine)")
     ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "tiny_cot", "tiny_moe", "smollm2_135m"])
     ap.add_argument("--model-path", default=None,
                     help="a checkpoint of that model (a run's checkpoints/step_N/model) instead of the built one")

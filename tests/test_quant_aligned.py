@@ -17,7 +17,7 @@ from qarl_cli.quant.int8 import quantize_act_ref
 from qarl_cli.quant.select import checkpoint_state
 from qarl_cli.stages import resolve
 
-SCHEMES = ["int8", "fp8_block", "w4a16"]
+SCHEMES = ["int8", "fp8_block", "w4a16", "nvfp4", "mxfp4"]
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from qarl_cli.quant import fp8_block, int8, w4a16
+from qarl_cli.quant import fp8_block, int8, mxfp4, nvfp4, w4a16
 from test_quant_numerics import e4m3_cases
 
 CUDA = torch.cuda.is_available()
@@ -113,10 +113,47 @@ def test_w4a16_matmul_exact_where_fp32_sums_are_exact(device):
     torch.testing.assert_close(y, x @ scheme.dequantize(packed, torch.float32).t(), rtol=1e-4, atol=1e-4)
 
 
+def _fp4_cases(device, dtype, seed):
+    """_x's rows plus blocks of E2M1 midpoints and grid values at scale 1, and a block of fp32 subnormals."""
+    x = _x((12, 256), device, torch.float32, seed)
+    x[2, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5,
+                              -5.0, 0.5])
+    x[3, :32] = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 4)
+    x[4, :32] = 1e-40
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_weights_and_activations(device, dtype):
+    x = _fp4_cases(device, dtype, 3)
+    w = x.reshape(2, 6, 256)  # two matrices, a global scale each
+    got, ref = triton_kernels.weight_quant_nvfp4(w), nvfp4.quantize_weight_ref(w)
+    assert torch.equal(got["weight_packed"], ref["weight_packed"])
+    assert torch.equal(_bits(got["weight_scale"]), _bits(ref["weight_scale"]))
+    assert torch.equal(got["weight_global_scale"], ref["weight_global_scale"])
+    amax = torch.tensor(7.5, device=device)  # a fused group's amax
+    got, ref = triton_kernels.weight_quant_nvfp4(x, amax), nvfp4.quantize_weight_ref(x, amax)
+    assert all(torch.equal(_bits(got[k]), _bits(ref[k])) for k in ref)
+    for g in (1.0, 134.4, 2688.0 / 3e-3):  # the static input global scale of input_amax 2688, 20 and 3e-3
+        g = torch.tensor(g, device=device)
+        (q, s), (q_ref, s_ref) = triton_kernels.act_quant_nvfp4(x, g), nvfp4.quantize_act_ref(x, g)
+        assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_blocks(device, dtype):
+    x = _fp4_cases(device, dtype, 4)
+    x[5, :32] = torch.tensor([7.0, 6.9, 1.75, -3.0] * 8)  # amax rounding up a binade
+    (q, e), (q_ref, e_ref) = triton_kernels.quant_mxfp4(x), mxfp4.quantize_ref(x)
+    assert torch.equal(q, q_ref) and torch.equal(e, e_ref)
+
+
 @pytest.mark.gpu
 def test_schemes_dispatch_to_triton_on_cuda():
     """On CUDA the schemes call the kernels; the results still equal the CPU references."""
-    from qarl_cli.config.quant import Fp8BlockConfig, Int8Config
+    from qarl_cli.config.quant import Fp8BlockConfig, Int8Config, MxFp4Config, NvFp4Config
 
     x = _x((9, 256), "cuda")
     q, s = int8.Int8Scheme(Int8Config(), "cuda").quantize_act(x)
@@ -126,3 +163,8 @@ def test_schemes_dispatch_to_triton_on_cuda():
     got = scheme.quantize(x)
     ref = fp8_block.quantize_weight_ref(x.cpu(), (128, 128))
     assert torch.equal(_bits(got["weight"]).cpu(), _bits(ref["weight"]))
+    got = nvfp4.NvFp4Scheme(NvFp4Config(), "cuda").quantize(x)
+    ref = nvfp4.quantize_weight_ref(x.cpu())
+    assert all(torch.equal(_bits(got[k]).cpu(), _bits(ref[k])) for k in ref)
+    q, e = mxfp4.MxFp4Scheme(MxFp4Config(), "cuda").quantize_act(x)
+    assert all(torch.equal(a.cpu(), b) for a, b in zip((q, e), mxfp4.quantize_ref(x.cpu())))

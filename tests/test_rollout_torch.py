@@ -138,7 +138,9 @@ def test_rollout_logprobs_are_the_models_and_the_seed_decides(paths, quant):
     ("dense", "prequantized", "int8", "fake"), ("dense", "online", "int8", "fake"),
     ("moe", "prequantized", "int8", "fake"), ("moe", "online", "int8", "fake"),
     ("dense", "prequantized", "int8", "lowbit"),  # the sent int8 tensors go to _int_mm as they are
-    ("dense", "prequantized", "fp8_block", "fake"), ("moe", "prequantized", "w4a16", "fake")])
+    ("dense", "prequantized", "fp8_block", "fake"), ("moe", "prequantized", "w4a16", "fake"),
+    ("dense", "prequantized", "nvfp4", "fake"), ("moe", "prequantized", "nvfp4", "fake"),  # packed codes + scales
+    ("moe", "prequantized", "mxfp4", "fake")])
 def test_sync_serves_the_trainers_weights(paths, kind, mode, quant, kernel):
     eng = engine(paths[kind], quant, kernel=kernel)
     before = eng.score(SEQS)

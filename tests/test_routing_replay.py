@@ -1,5 +1,5 @@
 """Rollout routing replay (R3) for MoE: the engine reports the experts it routed each token to, the learner's
-forward routes every token to those experts with gate weights recomputed from its own router (qarl_cli.moe).
+forward routes every token to those experts with gate weights recomputed from its own router (qarl_cli.forward.routing).
 
 References are computed here by hand: the MoE layer from its weights and given expert indices, the engine's routing
 from transformers' own `output_router_logits`, the agreement metric from a hand-made example."""

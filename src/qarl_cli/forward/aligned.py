@@ -27,6 +27,7 @@ from torch import nn
 
 from qarl_cli.config.stages import ForwardConfig
 from qarl_cli.quant.base import Scheme
+from qarl_cli.quant.fp4 import group_amax, share_scales
 from qarl_cli.quant.select import select_modules
 
 
@@ -162,18 +163,18 @@ class AlignedLinear(_Cached):
     def __init__(self, linear: nn.Linear, scheme: Scheme, lowbit: bool) -> None:
         super().__init__(scheme)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        self.weight, self.bias = linear.weight, linear.bias
         self.lowbit = lowbit
+        self.fused: tuple = ()  # the modules sharing a scale with this one (nvfp4's q/k/v, gate/up), itself included
 
-    def masters(self) -> list[nn.Parameter]:
-        return [self.weight]
+    def masters(self) -> list[nn.Parameter]:  # a sibling's step changes this module's Wq too
+        return [self.weight, *(m.weight for m in self.fused if m is not self)]
 
     def compute(self) -> tuple[dict, torch.Tensor]:
         return self._quantize(self.weight.detach())
 
     def _quantize(self, w: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        packed = self.scheme.quantize(w)
+        packed = self.scheme.quantize(w, amax=group_amax(w, self)) if self.fused else self.scheme.quantize(w)
         return packed, self.scheme.dequantize(packed, w.dtype)
 
     def packed(self) -> dict:
@@ -216,9 +217,11 @@ class AlignedExperts(_Cached):
         return self._gate_up(self.gate_up_proj.detach()), self.scheme.fake_quant_weight(self.down_proj.detach())
 
     def _gate_up(self, gu: torch.Tensor) -> torch.Tensor:
-        """gate and up of each expert ([..., 2I, H]) quantized as two matrices, as the checkpoint holds them."""
+        """gate and up of each expert ([..., 2I, H]) quantized as two matrices, as the checkpoint holds them; as one
+        where they share a scale (nvfp4, whose blocks run along rows: only its global scale spans both)."""
         two_i, h = gu.shape[-2:]
-        return self.scheme.fake_quant_weight(gu.reshape(*gu.shape[:-2], 2, two_i // 2, h)).reshape(gu.shape)
+        two = gu if getattr(self.scheme, "fused_group", None) else gu.reshape(*gu.shape[:-2], 2, two_i // 2, h)
+        return self.scheme.fake_quant_weight(two).reshape(gu.shape)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -253,6 +256,7 @@ def align(model: nn.Module, scheme: Scheme) -> nn.Module:
                else AlignedExperts(target.module, scheme))
         parent, _, child = target.name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
+    share_scales(model, getattr(scheme, "fused_group", None))  # nvfp4: q/k/v and gate/up share a global scale
     return model
 
 
@@ -282,8 +286,7 @@ class AlignedForward:
     """forward=aligned: `apply(model)` puts the scheme's quantized modules into the policy."""
 
     def __init__(self, cfg: ForwardConfig, scheme: Scheme) -> None:
-        self.cfg = cfg
-        self.scheme = scheme
+        self.cfg, self.scheme = cfg, scheme
 
     def apply(self, model: nn.Module) -> nn.Module:
         return align(model, self.scheme)

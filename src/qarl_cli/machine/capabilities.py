@@ -102,11 +102,13 @@ class Serving:
 
 
 def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset] = None) -> Serving:
-    """How vLLM serves `scheme` ("none", "int8", "fp8_block", "w4a16") for a dense or MoE model, on a GPU or on
-    this CPU (flags: the CPU's, or QARL_CPU_FLAGS)."""
+    """How vLLM serves `scheme` ("none", "int8", "fp8_block", "w4a16", "nvfp4", "mxfp4") for a dense or MoE model,
+    on a GPU or on this CPU (flags: the CPU's, or QARL_CPU_FLAGS)."""
     if gpu:
         return Serving(True, {"none": "bf16", "int8": "CUTLASS W8A8", "fp8_block": "fp8 block GEMM",
-                              "w4a16": "Marlin"}.get(scheme, scheme), None)
+                              "w4a16": "Marlin", "nvfp4": "Blackwell: W4A4 (FlashInfer/CUTLASS); Hopper: weight-only "
+                              "via Marlin", "mxfp4": "Blackwell: W4A4 (FlashInfer); Hopper: weight-only via Marlin"
+                              }.get(scheme, scheme), None)
     flags = cpu_flags() if flags is None else flags
     amx = "amx_tile" in flags
     if scheme == "none":
@@ -146,6 +148,9 @@ def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset
             return Serving(False, "CPUWNA16LinearKernel", None, "its W4A16 kernel computes in bf16 or fp16, and "
                            "vLLM ran neither on this CPU (qarl_cli.machine.capabilities_probe)")
         return Serving(True, "CPUWNA16LinearKernel" + (" (AMX)" if amx and dtype == "bfloat16" else ""), dtype)
+    if scheme in ("nvfp4", "mxfp4"):  # vLLM 0.32 registers its fp4 GEMMs for CUDA, ROCm and XPU only
+        return Serving(False, f"{scheme} GEMM", None, f"vLLM has no CPU kernel for {scheme} (its fp4 GEMMs need a "
+                       "CUDA, ROCm or XPU device)")
     return Serving(False, scheme, None, f"no vLLM CPU kernel for {scheme}")
 
 

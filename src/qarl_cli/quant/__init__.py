@@ -1,6 +1,7 @@
-"""The quantization stage: schemes (int8, fp8_block, w4a16, none) with their pure-torch references (numerics.py
-and one module per scheme), layer selection (select.py), the aligned forward (aligned.py), Triton kernels
-(triton_kernels.py) and the vLLM checkpoint writer (checkpoint.py). Heavy imports stay inside the modules."""
+"""The quantization stage: schemes (int8, fp8_block, w4a16, nvfp4, mxfp4, none) with their pure-torch references
+(numerics.py, fp4.py and one module per scheme), layer selection (select.py), the aligned forward (aligned.py),
+Triton kernels (triton_kernels.py) and the vLLM checkpoint writer (checkpoint.py). Heavy imports stay inside the
+modules."""
 
 from __future__ import annotations
 

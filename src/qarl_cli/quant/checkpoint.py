@@ -29,12 +29,12 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 State = Union[nn.Module, Mapping[str, torch.Tensor], Iterable[tuple[str, torch.Tensor]]]
 
 
-def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan] = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan] = None,
+                    amax: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in the scheme's vLLM checkpoint format: the planned weights quantized, the rest as given.
     `state`: a model (checkpoint names, plan from its structure and scheme.cfg.ignore; the linears of an aligned
     forward with this scheme give their cached Wq) or checkpoint-named tensors (a mapping or pairs; then `plan`
-    is required)."""
+    is required). `amax`: for a scheme whose fused matrices share a scale, each group's amax (`fused_amax`)."""
     cached: dict[str, CachedWq] = {}
     if isinstance(state, nn.Module):
         plan = plan or plan_for(state, scheme)
@@ -45,14 +45,59 @@ def quantized_state(state: State, scheme: Scheme, plan: Optional[CheckpointPlan]
         raise ValueError("quantized_state of checkpoint tensors needs their plan (plan_for)")
     items = state.items() if isinstance(state, Mapping) else state
     with torch.no_grad():
-        for name, tensor in items:
+        for name, tensor, group_amax in _with_group_amax(items, scheme, plan, amax):
             prefix = name.removesuffix(".weight")
             if name in cached:  # an aligned forward's Wq, already computed for this step: not quantized again
                 yield from scheme.packed_tensors(prefix, cached[name].packed(), tuple(tensor.shape))
+            elif group_amax is not None:
+                yield from scheme.packed_tensors(prefix, scheme.quantize(tensor, amax=group_amax), tuple(tensor.shape))
             elif name in plan.quantized:
                 yield from scheme.checkpoint_tensors(prefix, tensor)
             else:
                 yield name, tensor
+
+
+def _with_group_amax(items: Iterable[tuple[str, torch.Tensor]], scheme: Scheme, plan: CheckpointPlan,
+                     amax: Optional[dict]) -> Iterator[tuple[str, torch.Tensor, Optional[torch.Tensor]]]:
+    """(name, tensor, the amax of its fused group): for a scheme whose fused matrices share a scale (nvfp4's
+    `fused_group`), each planned tensor with its group's amax, from `amax` (group -> amax) or else from the
+    tensors themselves, a group's held back until all of them came; None for everything else."""
+    group_of = getattr(scheme, "fused_group", None)
+    members: dict[str, set] = {}
+    for name in plan.quantized if group_of else ():
+        members.setdefault(group_of(name.removesuffix(".weight")), set()).add(name)
+    held: dict[str, dict] = {}
+    for name, tensor in items:
+        if group_of is None or name not in plan.quantized:
+            yield name, tensor, None
+            continue
+        group = group_of(name.removesuffix(".weight"))
+        if amax is not None:
+            yield name, tensor, amax[group]
+            continue
+        held.setdefault(group, {})[name] = tensor
+        if held[group].keys() == members[group]:
+            tensors = held.pop(group)
+            top = torch.stack([t.detach().float().abs().amax() for t in tensors.values()]).amax()
+            yield from ((n, t, top) for n, t in tensors.items())
+    if held:
+        raise ValueError(f"quantized_state: {sorted(next(iter(held.values())))[0]} came without the matrices it "
+                         f"shares a global scale with ({scheme.name})")
+
+
+def fused_amax(src: Path, files: list[str], names: dict, plan: CheckpointPlan, scheme: Scheme) -> Optional[dict]:
+    """group -> amax over a checkpoint's shards, for a scheme whose fused matrices share a scale (None for the
+    others): read once before the shards are written, since a group may straddle two shards."""
+    group_of = getattr(scheme, "fused_group", None)
+    if group_of is None:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        keys = [k for k in names[file] if k in plan.quantized]
+        for key, t in read_tensors(src / file, keys, what=f"model.path={str(src)!r}, {file}"):
+            group, top = group_of(key.removesuffix(".weight")), t.float().abs().amax()
+            out[group] = torch.maximum(out[group], top) if group in out else top
+    return out
 
 
 def _same_scheme(a: Scheme, b: Scheme) -> bool:
@@ -127,11 +172,12 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     try:
         tmp = scratch.make(out.parent, f".{out.name}.tmp-")
         names = {f: _keys(src / f) for f in files}
+        amax = fused_amax(src, files, names, plan, scheme)
         with Progress(disable=not progress) as bar:
             task = bar.add_task(f"quantize {scheme.name}", total=sum(map(len, names.values())))
             for file in files:
                 shard = _read_shard(src, file, names[file], done, lambda: bar.advance(task))
-                tensors = dict(quantized_state(shard, scheme, plan))
+                tensors = dict(quantized_state(shard, scheme, plan, amax))
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(tensors, file))
                 nbytes += sum(t.numel() * t.element_size() for t in tensors.values())

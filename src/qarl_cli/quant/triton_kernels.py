@@ -1,5 +1,6 @@
 """Triton kernels for the hot paths of the quantized forward, each equal bit for bit to its scheme's pure-torch
-reference: int8 activations per token, e4m3 activations per group, e4m3 weight blocks, and the fused W4A16
+reference: int8 activations per token, e4m3 activations per group, e4m3 weight blocks, nvfp4 and mxfp4 blocks
+(weights and activations), and the fused W4A16
 dequant-matmul (equal to the reference wherever fp32 accumulation is exact; elsewhere they differ only in the
 order of the sums). The schemes call them for CUDA tensors; CPU tests run them under TRITON_INTERPRET=1, which
 must be set before this module is imported.
@@ -123,6 +124,64 @@ def _w4a16_matmul_kernel(x_ptr, wp_ptr, s_ptr, y_ptr, M, N, K, GROUP: tl.constex
              mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
+@triton.jit
+def _e2m1_code(y):
+    """The E2M1 code of fp32 y, |y| <= 6: RTNE by comparisons with the grid's midpoints (a tie goes to the even
+    mantissa, hence <= at 0.25, 1.25, 2.5, 5 and < at 0.75, 1.75, 3.5), the sign bit from y's own (so -0 -> 8)."""
+    m = tl.abs(y)
+    code = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+            + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32) + (m > 5.0).to(tl.int32))
+    neg = y.to(tl.int32, bitcast=True) < 0
+    return (code | tl.where(neg, 8, 0)).to(tl.uint8)
+
+
+@triton.jit
+def _e4m3_value(y):
+    """fp32 y, 0 <= y <= 448, rounded to its e4m3 value (RTNE through _e4m3_bits), as fp32."""
+    code = _e4m3_bits(y).to(tl.int32)
+    exp = code >> 3
+    man = code & 7
+    normal = ((exp + 120) << 23) | (man << 20)  # (1 + man / 8) * 2**(exp - 7)
+    return tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, K, ROWS_PER_G, stride_x, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of 16: weights (ACT=False, compressed-tensors' rule) or activations (ACT=True, vLLM's)."""
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cols = b * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    g = tl.load(g_ptr + row // ROWS_PER_G)
+    amax = tl.max(tl.abs(x), axis=0)
+    if ACT:
+        s = _e4m3_value(tl.minimum(g * (amax * 0.16666667163372040), 448.0))  # fp32(1/6), as vLLM multiplies
+        safe = tl.where(s == 0.0, 1.0, s)  # both sides of a where are computed: no division by zero
+        mult = tl.where(s == 0.0, 0.0, tl.math.div_rn(1.0, safe * tl.math.div_rn(1.0, g)))
+        y = x * mult
+        tl.store(s_ptr + row * (K // BLOCK) + b, s)
+    else:
+        s = _e4m3_value(tl.minimum(g * tl.math.div_rn(amax, 6.0), 448.0))
+        s = tl.where(s == 0.0, 0.125, s)  # compressed-tensors' stand-in for a zero scale
+        y = tl.math.div_rn(x, tl.math.div_rn(s, g))
+        tl.store(s_ptr + row * (K // BLOCK) + b, _e4m3_bits(s))
+    tl.store(q_ptr + row * K + cols, _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0)))
+
+
+@triton.jit
+def _mxfp4_kernel(x_ptr, q_ptr, e_ptr, K, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cols = b * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + row * stride_x + cols).to(tl.float32)
+    bits = tl.max(tl.abs(x), axis=0).to(tl.int32, bitcast=True)
+    e8m0 = tl.minimum(tl.maximum((((bits + 0x200000) & 0x7F800000) >> 23) - 2, 0), 254)
+    scale = tl.where(e8m0 > 0, e8m0 << 23, 0x400000).to(tl.float32, bitcast=True)
+    y = tl.math.div_rn(x, scale)
+    tl.store(q_ptr + row * K + cols, _e2m1_code(tl.minimum(tl.maximum(y, -6.0), 6.0)))
+    tl.store(e_ptr + row * (K // BLOCK) + b, e8m0.to(tl.uint8))
+
+
 def act_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """= int8.quantize_act_ref: int8 [..., K] and fp32 scales [..., 1]."""
     k = x.shape[-1]
@@ -175,3 +234,50 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
             x2, packed.contiguous(), scale.contiguous(), y, m, n, k, GROUP=group, BM=bm, BN=bn, BK=bk,
             IEEE=x.dtype == torch.float32)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _fp4_rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    k = x.shape[-1]
+    if k % block:
+        raise ValueError(f"the last dimension ({k}) must be a multiple of the block size {block}")
+    return x.reshape(-1, k).contiguous()
+
+
+def weight_quant_nvfp4(w: torch.Tensor, amax: "torch.Tensor | None" = None) -> dict:
+    """= nvfp4.quantize_weight_ref for w [..., N, K] (the global scale from the same torch code)."""
+    from qarl_cli.quant.fp4 import global_scale, pack_e2m1
+
+    *lead, n, k = w.shape
+    amax = w.float().abs().amax((-2, -1)) if amax is None else amax.float()
+    g = global_scale(amax).reshape(-1).expand(max(1, w.numel() // (n * k))).contiguous()
+    w2 = _fp4_rows(w, 16)
+    q = torch.empty(w2.shape, dtype=torch.uint8, device=w.device)
+    s = torch.empty((w2.shape[0], k // 16), dtype=torch.uint8, device=w.device)
+    if w2.shape[0]:
+        _nvfp4_kernel[(w2.shape[0], k // 16)](w2, q, s, g, k, n, w2.stride(0), ACT=False, BLOCK=16)
+    return {"weight_packed": pack_e2m1(q.reshape(w.shape)),
+            "weight_scale": s.view(torch.float8_e4m3fn).reshape(*lead, n, k // 16),
+            "weight_global_scale": g.reshape(*lead, 1) if lead else g[:1].clone()}
+
+
+def act_quant_nvfp4(x: torch.Tensor, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """= nvfp4.quantize_act_ref: uint8 codes [..., K] and fp32 block scales [..., K / 16]."""
+    k = x.shape[-1]
+    x2 = _fp4_rows(x, 16)
+    q = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    s = torch.empty((x2.shape[0], k // 16), dtype=torch.float32, device=x.device)
+    if x2.shape[0]:
+        _nvfp4_kernel[(x2.shape[0], k // 16)](x2, q, s, g.float().reshape(1).contiguous(), k, x2.shape[0],
+                                              x2.stride(0), ACT=True, BLOCK=16)
+    return q.reshape(x.shape), s.reshape(*x.shape[:-1], k // 16)
+
+
+def quant_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """= mxfp4.quantize_ref: uint8 codes [..., K] and uint8 E8M0 scales [..., K / 32]."""
+    k = x.shape[-1]
+    x2 = _fp4_rows(x, 32)
+    q = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    e = torch.empty((x2.shape[0], k // 32), dtype=torch.uint8, device=x.device)
+    if x2.shape[0]:
+        _mxfp4_kernel[(x2.shape[0], k // 32)](x2, q, e, k, x2.stride(0), BLOCK=32)
+    return q.reshape(x.shape), e.reshape(*x.shape[:-1], k // 32)

@@ -74,6 +74,12 @@ class TorchEngine:
         # routing replay: the experts every forward routed each token to, recorded by hooks on the routers
         self.routing_replay = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
         self._recorder = Recorder(self.model) if self.routing_replay else None
+        # fp4 formats have no kernel here: the aligned modules dequantize the E2M1 values and multiply in the
+        # model's dtype, which is the scheme's arithmetic, not its speed
+        self.emulation_note = None
+        if getattr(scheme, "emulated", False):
+            self.emulation_note = (f"{ENGINE}: quant={scheme.name} emulated in PyTorch (E2M1 values dequantized, "
+                                   f"GEMMs in {dtype})")
 
     def _destination(self, name: str, params: dict) -> tuple[torch.nn.Parameter, tuple]:
         """The parameter (and the index into it) that a plain checkpoint tensor is copied into: itself, or its

@@ -25,16 +25,21 @@ class LowbitChanges:
         self.previous: dict[str, dict[str, torch.Tensor]] = {}
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
         self.changed = self.total = self.tensors = 0
+        self.group_of = getattr(scheme, "fused_group", None)  # nvfp4: matrices sharing a global scale
+        self.members: dict[str, set] = {}
+        for name in self.quantized if self.group_of else ():
+            self.members.setdefault(self.group_of(name.removesuffix(".weight")), set()).add(name)
 
     def watch(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """`weights`, passed through unchanged, each quantized matrix's low-bit value compared on the way."""
         self.pending, self.changed, self.total, self.tensors = {}, 0, 0, 0
         prefix: Optional[str] = None
         parts: dict[str, torch.Tensor] = {}
+        held: dict[str, dict[str, torch.Tensor]] = {}  # online: a fused group's masters until all of them came
         for name, tensor in weights:
             if self.mode == "online":
                 if name in self.quantized:
-                    self._record(name.removesuffix(".weight"), self.scheme.quantize(tensor.detach()))
+                    self._quantize_online(name, tensor.detach(), held)
             else:  # a packed matrix arrives as consecutive parts under its prefix (weight, weight_scale, ...)
                 head, _, suffix = name.rpartition(".")
                 if head != prefix and parts:
@@ -47,6 +52,20 @@ class LowbitChanges:
             yield name, tensor
         if parts:
             self._record(prefix, parts)
+
+    def _quantize_online(self, name: str, master: torch.Tensor, held: dict) -> None:
+        """Record a master quantized as the engine will: alone, or for a scheme whose fused matrices share a
+        scale (nvfp4's `fused_group`) with its group's amax, once the whole group came."""
+        if self.group_of is None:
+            self._record(name.removesuffix(".weight"), self.scheme.quantize(master))
+            return
+        group = self.group_of(name.removesuffix(".weight"))
+        held.setdefault(group, {})[name] = master
+        if held[group].keys() == self.members[group]:
+            tensors = held.pop(group)
+            amax = torch.stack([t.float().abs().amax() for t in tensors.values()]).amax()
+            for n, t in tensors.items():
+                self._record(n.removesuffix(".weight"), self.scheme.quantize(t, amax=amax))
 
     def _record(self, prefix: str, packed: dict[str, torch.Tensor]) -> None:
         packed = {k: v.detach().to("cpu", copy=True) for k, v in packed.items()}

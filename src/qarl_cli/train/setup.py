@@ -117,6 +117,8 @@ def build(cfg: TrainConfig, run_dir: Path, log=print, dist: Any = None) -> Run:
                                 send=False)
         if getattr(engine, "routing_note", None):  # routing replay asked for by default, off under this engine
             log(f"[qarl] {engine.routing_note}")
+        if getattr(engine, "emulation_note", None):  # a scheme rollout=torch runs without its kernels
+            log(f"[qarl] {engine.emulation_note}")
         engine = MainEngine(dist, engine) if dist.world > 1 else engine
         stack.callback(engine.close)
         reward = dist.main_only(lambda: resolve("reward", cfg.reward.name)(cfg.reward), send=False)
