@@ -30,3 +30,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The tiny dense and MoE models, untrained (their weights are what a checkpoint test reads back), built per
+    module into its own cache."""
+    from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
+    from qarl_cli.models.tiny import ensure_tiny_model
+
+    cache = str(tmp_path_factory.mktemp("models"))
+    return {"dense": ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None),
+            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None)}
+
+
+def read_safetensors(path):
+    """Every tensor of a checkpoint directory's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+@pytest.fixture
+def read():
+    return read_safetensors

@@ -11,28 +11,11 @@ from safetensors import safe_open
 
 from qarl_cli.cli import main
 from qarl_cli.config.errors import ConfigError
-from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.quant import SCHEMAS
-from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
 from qarl_cli.quant.checkpoint import plan_for, quantized_state, write_checkpoint
 
 SCHEMES = ["int8", "fp8_block", "w4a16", "none"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("models"))
-    return {"dense": ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None),
-            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None)}
-
-
-def _read(path):
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _meta(path):
@@ -56,11 +39,11 @@ def _expected_layout(name, n, k, dtype, scheme):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("name", SCHEMES)
-def test_quantize_save_load_dequantize_equals_the_reference(models, tmp_path, kind, name):
+def test_quantize_save_load_dequantize_equals_the_reference(models, tmp_path, kind, name, read):
     src = models[kind]
     scheme = build_scheme(SCHEMAS[name](), "cpu")
     summary = write_checkpoint(src, tmp_path / "out", scheme, progress=False)
-    original, written = _read(src), _read(tmp_path / "out")
+    original, written = read(src), read(tmp_path / "out")
     plan = plan_for(_meta(src), scheme)
     assert summary["quantized"] == len(plan.quantized) == (0 if name == "none" else (28 if kind == "dense" else 32))
     for key, w in original.items():
@@ -110,7 +93,7 @@ def test_config_blocks_are_what_vllm_parses(models):
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8_block", "w4a16"])
-def test_quantized_state_of_the_model_in_memory_is_the_checkpoint(models, tmp_path, name):
+def test_quantized_state_of_the_model_in_memory_is_the_checkpoint(models, tmp_path, name, read):
     """transformers 5 holds the MoE experts fused; the state for the engine comes out per expert, equal to the
     checkpoint written from files."""
     from transformers import AutoModelForCausalLM
@@ -119,7 +102,7 @@ def test_quantized_state_of_the_model_in_memory_is_the_checkpoint(models, tmp_pa
     write_checkpoint(models["moe"], tmp_path / "out", scheme, progress=False)
     model = AutoModelForCausalLM.from_pretrained(str(models["moe"]), dtype=torch.float32)
     state = dict(quantized_state(model, scheme))
-    written = _read(tmp_path / "out")
+    written = read(tmp_path / "out")
     assert set(state) == set(written)
     for key, t in written.items():
         assert torch.equal(state[key].view(torch.uint8) if t.dtype == torch.float8_e4m3fn else state[key],

@@ -7,30 +7,12 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
-from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.quant import MxFp4Config, NvFp4Config
-from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme, fp4, mxfp4, nvfp4
 from qarl_cli.quant.checkpoint import load_meta_model, plan_for, quantized_state, write_checkpoint
 
 CASES = {"nvfp4": NvFp4Config(), "nvfp4_a16": NvFp4Config(activations=False), "mxfp4": MxFp4Config()}
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("models"))
-    return {"dense": ensure_tiny_model(TinyModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None),
-            "moe": ensure_tiny_model(TinyMoEModelConfig(cache_dir=cache, warm_start_steps=0), log=lambda _: None)}
-
-
-def _read(path):
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _ct_scheme(out):
@@ -55,14 +37,14 @@ def _reference(name, original, prefix):
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_written_tensors_decode_through_compressed_tensors_to_the_reference(models, tmp_path, kind, name):
+def test_written_tensors_decode_through_compressed_tensors_to_the_reference(models, tmp_path, kind, name, read):
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
 
     scheme = build_scheme(CASES[name], "cpu")
     out = tmp_path / "out"
     write_checkpoint(models[kind], out, scheme, progress=False)
-    original, written = _read(models[kind]), _read(out)
+    original, written = read(models[kind]), read(out)
     plan = plan_for(load_meta_model(models[kind]), scheme)
     block, ct_scheme = _ct_scheme(out)
     compressor = BaseCompressor.get_value_from_registry(block["format"])
@@ -100,14 +82,14 @@ def test_written_tensors_decode_through_compressed_tensors_to_the_reference(mode
             assert torch.equal(written[key], t), key  # embeddings, norms, lm_head, router
 
 
-def test_fused_layers_share_the_global_scale_and_vllm_dequantizes_the_reference(models, tmp_path):
+def test_fused_layers_share_the_global_scale_and_vllm_dequantizes_the_reference(models, tmp_path, read):
     """vLLM serves q/k/v (gate/up) as one layer scaled by the largest of their global scales: they are equal, so
     its dequantization (dequantize_to_dtype with 1 / g, what process_weights_after_loading keeps) is ours."""
     from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
 
     scheme = build_scheme(NvFp4Config(input_amax=100.0), "cpu")
     write_checkpoint(models["moe"], tmp_path / "out", scheme, progress=False)
-    written = _read(tmp_path / "out")
+    written = read(tmp_path / "out")
     for layer in ("model.layers.0.self_attn", "model.layers.1.mlp.experts.3"):
         projs = ("q_proj", "k_proj", "v_proj") if "attn" in layer else ("gate_proj", "up_proj")
         scales = {written[f"{layer}.{p}.weight_global_scale"].item() for p in projs}
@@ -143,7 +125,7 @@ def test_config_blocks_are_what_vllm_and_compressed_tensors_parse(models, tmp_pa
             ("MXFP4PackedCompressor" if name == "mxfp4" else "NVFP4PackedCompressor")
 
 
-def test_the_synced_state_of_an_aligned_model_is_the_checkpoint(models, tmp_path):
+def test_the_synced_state_of_an_aligned_model_is_the_checkpoint(models, tmp_path, read):
     """What the in-place sync sends (quantized_state of the aligned trainer) equals the written checkpoint."""
     from transformers import AutoModelForCausalLM
 
@@ -152,7 +134,7 @@ def test_the_synced_state_of_an_aligned_model_is_the_checkpoint(models, tmp_path
     scheme = build_scheme(NvFp4Config(), "cpu")
     write_checkpoint(models["dense"], tmp_path / "out", scheme, progress=False)
     model = align(AutoModelForCausalLM.from_pretrained(str(models["dense"]), dtype=torch.float32), scheme)
-    sent, written = dict(quantized_state(model, scheme)), _read(tmp_path / "out")
+    sent, written = dict(quantized_state(model, scheme)), read(tmp_path / "out")
     assert sent.keys() == written.keys()
     for key, t in written.items():
         bits = (lambda x: x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x)
