@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from qarl_cli.config.model import TinyModelConfig, TinyMoEModelConfig
 from qarl_cli.config.data import ArithDataConfig
@@ -154,8 +154,9 @@ def test_each_default_recipe_ships_its_build(name):
     recipe = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("path", "cache_dir", "prebuilt")}
     assert info["recipe"] == json.loads(json.dumps(recipe))
     assert info["warm_start"]["in_band"]
-    config = json.loads((shipped / "config.json").read_text())
-    assert config["num_hidden_layers"] == cfg.num_layers and config.get("num_experts", 0) == cfg.num_experts
+    config = AutoConfig.from_pretrained(str(shipped))  # transformers 5 stores Qwen3-MoE's experts as num_local_experts
+    assert config.num_hidden_layers == cfg.num_layers
+    assert (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0) == cfg.num_experts
     assert shipped_build(dataclasses.replace(cfg, prebuilt=False)) is None
 
 
