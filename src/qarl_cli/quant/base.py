@@ -64,6 +64,9 @@ class SchemeBase:
     name = "base"
     quantizes_weights = True  # False: the identity scheme (none); nothing is selected
     quantizes_activations = True
+    # What rollout=torch computes in place of the engine's low-bit kernel (said in one line at its start); None:
+    # nothing to say (no quantization, or int8 / fp8 whose GEMMs the aligned modules compute as the engine does)
+    emulated: Optional[str] = None
 
     def __init__(self, cfg: QuantConfig, device: str = "auto") -> None:
         self.cfg = cfg

@@ -56,7 +56,7 @@ def dequantize_ref(codes: torch.Tensor, e8m0: torch.Tensor, dtype: torch.dtype) 
 
 class MxFp4Scheme(SchemeBase):
     name = "mxfp4"
-    emulated = True  # no fp4 GEMM in this process: the torch engine says so at start
+    emulated = "E2M1 values dequantized"  # no fp4 GEMM in this process: the torch engine says so at start
 
     def __init__(self, cfg: MxFp4Config, device: str = "auto") -> None:
         super().__init__(cfg, device)

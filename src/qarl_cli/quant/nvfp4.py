@@ -82,7 +82,7 @@ def dequantize_act_ref(codes: torch.Tensor, s: torch.Tensor, g: torch.Tensor, dt
 
 class NvFp4Scheme(SchemeBase):
     name = "nvfp4"
-    emulated = True  # no fp4 GEMM in this process: the torch engine says so at start
+    emulated = "E2M1 values dequantized"  # no fp4 GEMM in this process: the torch engine says so at start
 
     def __init__(self, cfg: NvFp4Config, device: str = "auto") -> None:
         super().__init__(cfg, device)

@@ -101,8 +101,9 @@ def _weight_quant_fp8_kernel(w_ptr, q_ptr, s_ptr, N, K, NB, KB, BN: tl.constexpr
 
 
 @triton.jit
-def _w4a16_matmul_kernel(x_ptr, wp_ptr, s_ptr, y_ptr, M, N, K, GROUP: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+def _wna16_matmul_kernel(x_ptr, wp_ptr, s_ptr, y_ptr, M, N, K, KW, GROUP: tl.constexpr, BITS: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+    PF: tl.constexpr = 32 // BITS  # values per int32 word (a row's words: KW)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -111,11 +112,11 @@ def _w4a16_matmul_kernel(x_ptr, wp_ptr, s_ptr, y_ptr, M, N, K, GROUP: tl.constex
         kmask = rk < K
         x = tl.load(x_ptr + rm[:, None] * K + rk[None, :], mask=(rm < M)[:, None] & kmask[None, :], other=0.0)
         wmask = (rn < N)[:, None] & kmask[None, :]
-        packed = tl.load(wp_ptr + rn[:, None] * (K // 8) + (rk // 8)[None, :], mask=wmask, other=0)
-        nib = (packed >> ((rk % 8) * 4)[None, :]) & 0xF
+        packed = tl.load(wp_ptr + rn[:, None] * KW + (rk // PF)[None, :], mask=wmask, other=0)
+        u = (packed >> ((rk % PF) * BITS)[None, :]) & ((1 << BITS) - 1)
         scale = tl.load(s_ptr + rn[:, None] * (K // GROUP) + (rk // GROUP)[None, :], mask=wmask, other=0.0)
         # Dequantize as the reference does: (q * scale) in fp32, rounded once to the compute dtype.
-        w = ((nib - 8).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
+        w = ((u - (1 << (BITS - 1))).to(tl.float32) * scale.to(tl.float32)).to(x.dtype)
         if IEEE:  # fp32 inputs: no TF32
             acc += tl.dot(x, tl.trans(w), input_precision="ieee")
         else:
@@ -221,8 +222,10 @@ def weight_quant_fp8_block(w: torch.Tensor, block: tuple[int, int]) -> dict:
     return {"weight": q.view(torch.float8_e4m3fn).reshape(w.shape), "weight_scale_inv": s.reshape(*lead, nb, kb)}
 
 
-def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """x [..., K] @ dequantized W^T, W given as w4a16's weight_packed [N, K/8] and weight_scale [N, K/group]."""
+def wna16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int, bits: int = 4
+                 ) -> torch.Tensor:
+    """x [..., K] @ dequantized W^T, W given as wna16's weight_packed [N, ceil(K / (32 // bits))] and
+    weight_scale [N, K/group]."""
     k = x.shape[-1]
     n = packed.shape[0]
     x2 = x.reshape(-1, k).contiguous()
@@ -230,9 +233,9 @@ def w4a16_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, gro
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     bm, bn, bk = 32, 64, 64
     if m:
-        _w4a16_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            x2, packed.contiguous(), scale.contiguous(), y, m, n, k, GROUP=group, BM=bm, BN=bn, BK=bk,
-            IEEE=x.dtype == torch.float32)
+        _wna16_matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x2, packed.contiguous(), scale.contiguous(), y, m, n, k, packed.shape[-1], GROUP=group, BITS=bits,
+            BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32)
     return y.reshape(*x.shape[:-1], n)
 
 

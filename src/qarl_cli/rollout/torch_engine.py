@@ -74,11 +74,11 @@ class TorchEngine:
         # routing replay: the experts every forward routed each token to, recorded by hooks on the routers
         self.routing_replay = wanted(cfg.routing_replay, checkpoint_is_moe(model_dir), str(model_dir))
         self._recorder = Recorder(self.model) if self.routing_replay else None
-        # fp4 formats have no kernel here: the aligned modules dequantize the E2M1 values and multiply in the
-        # model's dtype, which is the scheme's arithmetic, not its speed
+        # low-bit formats without a kernel here (fp4, integer weights): the aligned modules dequantize the values
+        # and multiply in the model's dtype, which is the scheme's arithmetic, not its speed
         self.emulation_note = None
-        if getattr(scheme, "emulated", False):
-            self.emulation_note = (f"{ENGINE}: quant={scheme.name} emulated in PyTorch (E2M1 values dequantized, "
+        if getattr(scheme, "emulated", None):
+            self.emulation_note = (f"{ENGINE}: quant={scheme.name} emulated in PyTorch ({scheme.emulated}, "
                                    f"GEMMs in {dtype})")
 
     def _destination(self, name: str, params: dict) -> tuple[torch.nn.Parameter, tuple]:

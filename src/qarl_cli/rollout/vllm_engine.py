@@ -103,7 +103,7 @@ class VLLMEngine:
         from qarl_cli.machine import capabilities
 
         # the dtype the scheme's kernel needs (W4A16 on CPU: bf16 or fp16), else the model's
-        dtype = capabilities.for_engine(scheme.name, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
+        dtype = capabilities.for_engine(scheme.cfg, Path(model_dir), device, NAME.split("=")[1]).dtype or dtype
         os.environ.update(capabilities.ENGINE_ENV)
         self.routing_replay, self.routing_note = resolve_routing(cfg, Path(model_dir), NAME)
         if self.routing_replay:  # the routed-experts capture runs only in vLLM's Model Runner V2

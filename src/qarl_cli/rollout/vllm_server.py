@@ -69,7 +69,7 @@ class ServerEngine:
             served = self._served_checkpoint()
             from qarl_cli.machine import capabilities
 
-            dtype = capabilities.for_engine(scheme.name, self.source, device, self.name).dtype or dtype
+            dtype = capabilities.for_engine(scheme.cfg, self.source, device, self.name).dtype or dtype
             self.identity = server_check.identity(self.source, served, scheme.name)
             if cfg.urls:
                 self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
