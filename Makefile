@@ -32,8 +32,12 @@ endif
 train: setup
 	$(BIN)/qarl train
 
+# Two workers, each taking whole files (a module's engines and models are built once, in one worker): most of a
+# vLLM test's time is one core importing vLLM in a spawned process, so the other core has room for the other
+# worker's. TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q --durations=40  # the 40 slowest tests close the report: where the suite's time goes
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40  # the slowest close the report
 
 clean:
 	rm -rf $(VENV) .cache outputs multirun
