@@ -37,6 +37,19 @@ def test_by_hand():
     # |log w| = |mean_t d|: row0 ln 2 / 2, row1 2 ln 2 (uncapped), mean 1.25 ln 2; both rows are under 32 tokens
     assert m["mismatch/abs_log_w_mean"] == pytest.approx(1.25 * LN2, rel=1e-12)
     assert m["mismatch/abs_log_w_mean@0-32"] == pytest.approx(1.25 * LN2, rel=1e-12)
+    # chi2 = mean (r - 1)^2 = (1 + 0 + 1 + 9 + 49) / 5 = 12; sequence weights W = prod r: row0 2, row1 64, so
+    # ESS = (2 + 64)^2 / (2 * (4 + 4096)) = 4356 / 8200
+    assert m["mismatch/chi2"] == pytest.approx(12.0, rel=1e-12)
+    assert m["mismatch/seq_ess"] == pytest.approx(4356 / 8200, rel=1e-12)
+
+
+def test_ess_of_long_sequences_stays_finite_and_equal_weights_give_one():
+    """400 tokens at d = +0.5 against 400 at d = -0.5: W = e^200 and e^-200 (each overflows fp32 products);
+    the ESS is (e^200 + e^-200)^2 / (2 (e^400 + e^-400)) = 1/2 to double precision. Equal W: ESS 1."""
+    m = metrics_for([[0.5] * 400, [-0.5] * 400], [[1] * 400] * 2)
+    assert m["mismatch/seq_ess"] == pytest.approx(0.5, rel=1e-12)
+    m = metrics_for([[0.3, -0.1], [0.1, 0.1]], [[1, 1]] * 2)
+    assert m["mismatch/seq_ess"] == pytest.approx(1.0, rel=1e-12)
 
 
 def test_p99_is_nearest_rank():
@@ -77,10 +90,10 @@ def test_extreme_differences_stay_finite():
 
 def test_no_response_tokens_gives_zeros():
     m = metrics_for([[float("nan"), 1.0]], [[0, 0]])
-    assert set(m) == {"mismatch/k3_kl", "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_p99",
+    assert set(m) == {"mismatch/k3_kl", "mismatch/chi2", "mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_p99",
                       "mismatch/abs_logp_diff_max", "mismatch/seq_weight_mean", "mismatch/seq_weight_clipped_frac",
-                      "mismatch/abs_log_w_mean"}
-    assert all(v == 0.0 for v in m.values())
+                      "mismatch/abs_log_w_mean", "mismatch/seq_ess"}
+    assert m.pop("mismatch/seq_ess") == 1.0 and all(v == 0.0 for v in m.values())
 
 
 def test_abs_log_w_by_response_length():
