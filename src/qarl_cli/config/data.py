@@ -87,15 +87,34 @@ class ArithCotDataConfig(DataConfig):
     impl: ClassVar[str] = "qarl_cli.data.arith_cot:ArithCotSource"
     # Operations per expression, drawn in equal shares: 4 to 8 give worked solutions of about 40 to 140 tokens.
     ops: List[int] = field(default_factory=lambda: [4, 5, 6, 7, 8])
+    # The operators drawn from: a subset of "+-*" (the worked solution does * before + and -).
+    operators: str = "+-*"
     test_size: int = 500
     instruction: str = ""  # a model warm-started on the solutions needs none
     max_new_tokens: int = 192  # the longest worked solution (8 operations: about 140) and the end of turn
     question: str = "{expr}"  # as data=arith's: {expr} or {spaced}
+    MAX_OPS: ClassVar[int] = 8
 
     def __post_init__(self) -> None:
-        require(len(self.ops) > 0 and all(1 <= n <= 8 for n in self.ops), "ops", self.ops,
-                "must be a non-empty list of operation counts from 1 to 8")
+        require(len(self.ops) > 0 and all(1 <= n <= self.MAX_OPS for n in self.ops), "ops", self.ops,
+                f"must be a non-empty list of operation counts from 1 to {self.MAX_OPS}")
+        require(len(self.operators) > 0 and set(self.operators) <= set("+-*")
+                and len(set(self.operators)) == len(self.operators), "operators", self.operators,
+                "must be some of + - * (each once), e.g. +-")
         _check_question(self.question)
+
+
+@dataclass
+class ArithSumDataConfig(ArithCotDataConfig):
+    """Long running sums with worked solutions (qarl_cli.data.arith_cot, + and - only): the long-response task.
+    A line per operation rewrites the whole remaining expression, so responses run 170-300 tokens (10 operations:
+    about 195, 12: about 270) and a wrong digit early carries into every later line and the answer."""
+
+    name: str = "arith_sum"
+    ops: List[int] = field(default_factory=lambda: [10, 11, 12])
+    operators: str = "+-"
+    max_new_tokens: int = 320  # the longest worked solution (12 operations: under 300) and the end of turn
+    MAX_OPS: ClassVar[int] = 14
 
 
 @dataclass
@@ -183,6 +202,7 @@ class OpenR1MathDataConfig(FileDataConfig):
 SCHEMAS = {
     "arith": ArithDataConfig,
     "arith_cot": ArithCotDataConfig,
+    "arith_sum": ArithSumDataConfig,
     "file": FileDataConfig,
     "gsm8k": GSM8KDataConfig,
     "math": MathDataConfig,

@@ -27,12 +27,13 @@ from qarl_cli.data.base import Problem
 _TOKEN = re.compile(r"\d+|[-+*()]")
 
 
-def generate(rng: random.Random, ops: int) -> str:
-    """An expression of `ops` operations; intermediate values stay small (|v| < 1000) so the rewrites stay short."""
+def generate(rng: random.Random, ops: int, operators: str = "+-*") -> str:
+    """An expression of `ops` operations drawn from `operators`; intermediate values stay small (|v| < 1000) so
+    the rewrites stay short."""
     while True:
         parts = [str(rng.randint(1, 99) if rng.random() < 0.5 else rng.randint(1, 9))]
         for _ in range(ops):
-            op = rng.choice("+-*")
+            op = rng.choice(operators)
             num = rng.randint(2, 9) if op == "*" else rng.randint(1, 99)
             parts += [op, str(num)]
         expr = "".join(parts)
@@ -101,26 +102,41 @@ def is_test(expr: str) -> bool:
     return zlib.crc32(b"cot:" + expr.encode()) % 10 == 0
 
 
-def make(expr: str, ops: int) -> Problem:
-    return Problem(prompt=expr, answer=str(evaluate(expr)), source="arith_cot", level=ops)
+def _task(operators: str, source: str):
+    """(draw, make): problems of these operators, named `source` (arith_cot, or arith_sum for + and - only).
+    arith_cot's draws are what they were before operators became an option (the same test split)."""
+    prefix = "arith-cot" if operators == "+-*" else f"arith-cot-{operators}"
+
+    def draw(rng: random.Random, ops: int) -> str:
+        return generate(rng, ops, operators)
+
+    def make(expr: str, ops: int) -> Problem:
+        return Problem(prompt=expr, answer=str(evaluate(expr)), source=source, level=ops)
+
+    return prefix, draw, make
 
 
-def test_split(size: int, ops: Sequence[int]) -> list[Problem]:
+def test_split(size: int, ops: Sequence[int], operators: str = "+-*", source: str = "arith_cot") -> list[Problem]:
     """`size` distinct test problems, operation counts in equal shares; the same on every machine."""
-    return draw_test("arith-cot", size, ops, generate, is_test, make, what="ops")
+    prefix, draw, make = _task(operators, source)
+    return draw_test(prefix, size, ops, draw, is_test, make, what="ops")
 
 
-def train_stream(seed: int, ops: Sequence[int], start: int = 0) -> Iterator[Problem]:
+def train_stream(seed: int, ops: Sequence[int], start: int = 0, operators: str = "+-*",
+                 source: str = "arith_cot") -> Iterator[Problem]:
     """An endless stream of training problems (never a test problem); problem i depends only on (seed, i)."""
-    return draw_train("arith-cot", seed, ops, generate, is_test, make, start)
+    prefix, draw, make = _task(operators, source)
+    return draw_train(prefix, seed, ops, draw, is_test, make, start)
 
 
 class ArithCotSource:
-    """data=arith_cot: the fixed test split, and training problems generated from (seed, position)."""
+    """data=arith_cot and data=arith_sum: the fixed test split, and training problems generated from (seed,
+    position)."""
 
     def __init__(self, cfg, seed: int) -> None:
         self.ops, self.seed, self.question = list(cfg.ops), seed, cfg.question
-        self.test = [asked(p, self.question) for p in test_split(cfg.test_size, self.ops)]
+        self.task = {"operators": cfg.operators, "source": cfg.name}
+        self.test = [asked(p, self.question) for p in test_split(cfg.test_size, self.ops, **self.task)]
 
     def train_stream(self, start: int = 0) -> Iterator[Problem]:
-        return (asked(p, self.question) for p in train_stream(self.seed, self.ops, start))
+        return (asked(p, self.question) for p in train_stream(self.seed, self.ops, start, **self.task))
