@@ -153,5 +153,22 @@ class SmolLM2ModelConfig(ModelConfig):
     dtype: str = "float32"
 
 
-SCHEMAS = {"tiny_arith": TinyModelConfig, "tiny_cot": TinyCotModelConfig, "tiny_moe": TinyMoEModelConfig,
+@dataclass
+class TinySumModelConfig(TinyCotModelConfig):
+    """The tiny model warm-started on data=arith_sum's worked running sums (170-300 tokens): the task of the
+    dose-response study (docs/dose_response.md), where one wrong token derails a long answer. Use it with
+    data=arith_sum (+experiment=tiny_sum)."""
+
+    name: str = "tiny_sum"
+    task: ClassVar[str] = "arith_sum"
+    max_position_embeddings: int = 512  # a prompt of about 50 tokens and up to 320 new ones
+    warm_start_steps: int = 500
+    warm_start_batch: int = 32  # sequences are twice tiny_cot's; half the batch keeps a step's cost
+    warm_start_chunk_steps: int = 150
+    warm_start_max_steps: int = 1400
+    # Its greedy check decodes up to 320 tokens per problem: 100 problems keep it under a minute.
+    warm_start_check_size: int = 100
+
+
+SCHEMAS = {"tiny_arith": TinyModelConfig, "tiny_cot": TinyCotModelConfig, "tiny_sum": TinySumModelConfig, "tiny_moe": TinyMoEModelConfig,
            "hf": HFModelConfig, "smollm2_135m": SmolLM2ModelConfig}

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
-from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig
+from qarl_cli.config.data import ArithCotDataConfig, ArithDataConfig, ArithSumDataConfig
 from qarl_cli.config.model import TinyModelConfig
 from qarl_cli.data import arith, arith_cot
 from qarl_cli.data.base import Problem
@@ -46,22 +46,23 @@ def _arith_heldout(size: int) -> list[Problem]:
     return arith.test_split(ArithDataConfig.test_size + size, ArithDataConfig().levels)[ArithDataConfig.test_size:]
 
 
-def _cot_test() -> list[Problem]:
-    return arith_cot.test_split(ArithCotDataConfig.test_size, ArithCotDataConfig().ops)
+def _cot_task(cfg: ArithCotDataConfig) -> "Task":
+    """A worked-solution task as data=NAME's defaults draw it (arith_cot, arith_sum)."""
+    kw = {"operators": cfg.operators, "source": cfg.name}
 
+    def heldout(size: int) -> list[Problem]:
+        return arith_cot.test_split(cfg.test_size + size, cfg.ops, **kw)[cfg.test_size:]
 
-def _cot_heldout(size: int) -> list[Problem]:
-    ops = ArithCotDataConfig().ops
-    return arith_cot.test_split(ArithCotDataConfig.test_size + size, ops)[ArithCotDataConfig.test_size:]
+    return Task(lambda seed: arith_cot.train_stream(seed, cfg.ops, **kw), lambda p: arith_cot.solution(p.prompt),
+                lambda: arith_cot.test_split(cfg.test_size, cfg.ops, **kw), heldout, cfg.max_new_tokens)
 
 
 TASKS = {
     # Level 1 twice as often: it is where the model first learns to read digits, which the others build on.
     "arith": Task(lambda seed: arith.train_stream(seed=seed, levels=[1, 1, 2, 3]), boxed_answer, _arith_test,
                   _arith_heldout, ArithDataConfig.max_new_tokens),
-    "arith_cot": Task(lambda seed: arith_cot.train_stream(seed, ArithCotDataConfig().ops),
-                      lambda p: arith_cot.solution(p.prompt), _cot_test, _cot_heldout,
-                      ArithCotDataConfig.max_new_tokens),
+    "arith_cot": _cot_task(ArithCotDataConfig()),
+    "arith_sum": _cot_task(ArithSumDataConfig()),
 }
 
 
