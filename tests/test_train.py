@@ -693,3 +693,12 @@ def test_asynchronous_rollouts_train_on_batches_one_update_old(tmp_path):
     for s in (3, 4):
         for key in ("rollout/staleness_mean", "rollout/weight_version", "reward/mean", "response/len_mean"):
             assert again[s][key] == lag[s][key], (s, key)
+
+
+def test_a_run_without_evaluations_still_writes_its_summary(tmp_path):
+    """The README promises summary.json in every run directory; eval_every=0 wrote none."""
+    from qarl_cli.train import loop
+
+    loop.train(_small_cfg("steps=1", "eval_every=0"), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == {"first": None, "last": None, "history": [], "run_dir": str(tmp_path)}

@@ -26,7 +26,7 @@ def checkpoint_dir(run_dir: Path, step: int) -> Path:
 def latest(root: Path) -> Optional[Path]:
     """The newest complete checkpoint under `root` (a run directory or its checkpoints/), or None."""
     root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    found = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
+    found = _complete(root)
     return found[-1] if found else None
 
 
@@ -36,13 +36,33 @@ def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     if resume in (None, "", "false", "False"):
         return None
     where = run_dir if resume in ("true", "True") else Path(os.path.expanduser(str(resume)))
-    if (where / "trainer.pt").is_file():
-        return where
-    found = latest(where) if where.is_dir() else None
+    found = where if (where / "trainer.pt").is_file() else latest(where) if where.is_dir() else None
     if found is None:
         raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
                           "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
+    if not intact(found):
+        older = [p for p in _complete(found.parent) if p.name < found.name and intact(p)]
+        then = (f"the last intact checkpoint is {older[-1]}: resume={older[-1]}" if older
+                else "no earlier intact checkpoint exists")
+        raise ConfigError(f"resume={resume!r}: {found / 'trainer.pt'} is damaged or truncated (not a complete torch "
+                          f"file); {then}")
     return found
+
+
+def intact(ckpt: Path) -> bool:
+    """Whether trainer.pt is a complete torch file (a zip archive: a truncated one has no central directory at
+    its end). Reads the archive's directory only, not the tensors."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(ckpt / "trainer.pt") as z:
+            return bool(z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _complete(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
 
 
 def checkpoint_step(ckpt: Path) -> int:
