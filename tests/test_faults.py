@@ -266,5 +266,5 @@ def test_train_refuses_a_test_size_that_leaves_a_split_empty(tiny, tmp_path, mon
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(5)))
     assert main(["train", "model=hf", f"model.path={tiny}", "data=file", f"data.path={data}",
-                 f"data.test_size={test_size}", "steps=1", "eval_every=0"]) == 2
+                 f"data.test_size={test_size}", "steps=1", "eval_every=0", "max_new_tokens=16"]) == 2
     assert _error_line(capsys).startswith(f"qarl train: error: {message.format(f=data)}")

@@ -14,7 +14,8 @@ from qarl_cli.config.errors import ConfigError
 from qarl_cli.machine.disk import relation
 
 
-QUICK = ["rollout=torch", "steps=1", "eval_every=0", "prompts_per_step=2", "samples_per_prompt=2"]  # should
+QUICK = ["rollout=torch", "steps=1", "eval_every=0", "prompts_per_step=2", "samples_per_prompt=2",
+         "max_new_tokens=16"]  # should
 # a refusal regress, the run that follows is short
 
 
