@@ -93,7 +93,9 @@ def _run_with_checkpoint(models, tmp_path):
     run = tmp_path / "RUN"
     model = run / "checkpoints" / "step_000002" / "model"
     shutil.copytree(models["dense"], model)
-    (model.parent / "trainer.pt").write_bytes(b"state")
+    import torch
+
+    torch.save({"step": 2}, model.parent / "trainer.pt")
     (run / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     (run / ".hydra").mkdir()
     (run / ".hydra" / "config.yaml").write_text("lr: 0.002\n")
@@ -178,3 +180,13 @@ def test_check_paths_refuses_in_the_library_too(models, tmp_path):
     shutil.copytree(models["dense"], src)
     with Unchanged(tmp_path), pytest.raises(ConfigError, match="contains model.path"):
         write_checkpoint(src, src.parent, build_scheme(SCHEMAS["int8"](), "cpu"), overwrite=True, progress=False)
+
+
+def test_a_resume_with_nothing_to_resume_leaves_the_directory_as_it_was(models, tmp_path, monkeypatch, capsys):
+    """Found at compose time: before, Hydra had written .hydra/ and the lock into it first."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "EMPTY").mkdir()
+    with Unchanged(tmp_path):
+        assert main(["train", "model=hf", f"model.path={models['dense']}", "resume=true",
+                     f"hydra.run.dir={tmp_path / 'EMPTY'}", *QUICK]) == 2
+    _one_line(capsys, "resume='true': no checkpoint in")

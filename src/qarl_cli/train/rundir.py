@@ -31,6 +31,7 @@ from typing import Any, Optional
 from qarl_cli.config.errors import ConfigError, UserError
 
 LOCK = ".qarl.lock"
+PREFIX = "step_"  # checkpoints/step_NNNNNN/
 CONFIG = "config.json"  # the run's config, beside each checkpoint's trainer.pt
 # Keys (or prefixes ending in ".") that may differ between a checkpoint's config and its resume.
 RESUMABLE = ("steps", "resume", "overwrite", "verbose", "eval_every", "eval_samples", "checkpoint_every", "train_threads",
@@ -87,9 +88,10 @@ def check_paths(run_dir: Path, cfg: Any) -> None:
     refuse_overlap("hydra.run.dir", run_dir, [("model.path", model_path)], "a run directory holds one run and "
                    "its checkpoints: give it a directory apart from the checkpoint the run starts from")
     if cfg.resume and cfg.overwrite:
-        raise ConfigError(f"overwrite=true with resume={cfg.resume!r}: a resume continues the run where it is, "
+        raise ConfigError(f"overwrite=true with resume={str(cfg.resume).lower() if cfg.resume in ('true', 'True') else cfg.resume!r}: a resume continues the run where it is, "
                           "overwrite=true replaces it; choose one")
     if cfg.resume:
+        find_resume(cfg.resume, run_dir)  # a checkpoint there, and intact: else refused before Hydra writes
         if cfg.resume not in ("true", "True") and holds_run(run_dir) \
                 and Path(os.path.expanduser(cfg.resume)).resolve() not in {run_dir.resolve(), *_below(run_dir)}:
             raise ConfigError(f"resume={cfg.resume!r} into hydra.run.dir={str(run_dir)!r}, which holds a run of its "
@@ -160,6 +162,50 @@ def check_resume(ckpt: Path, config: dict) -> None:
                           "logs and the resources it uses: start a new run for the others")
 
 
+
+
+def latest(root: Path) -> Optional[Path]:
+    """The newest complete checkpoint under `root` (a run directory or its checkpoints/), or None."""
+    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    found = _complete(root)
+    return found[-1] if found else None
+
+
+def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+    """`resume`: null (start fresh), "true" (the newest checkpoint of this run directory: pass
+    hydra.run.dir=<the run's directory>), or a run directory or a checkpoint directory."""
+    if resume in (None, "", "false", "False"):
+        return None
+    if resume in ("true", "True"):
+        resume = "true"  # as typed: Hydra reads resume=true as a bool, the schema's str makes it "True"
+    where = run_dir if resume == "true" else Path(os.path.expanduser(str(resume)))
+    found = where if (where / "trainer.pt").is_file() else latest(where) if where.is_dir() else None
+    if found is None:
+        raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
+                          "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
+    if not intact(found):
+        older = [p for p in _complete(found.parent) if p.name < found.name and intact(p)]
+        then = (f"the last intact checkpoint is {older[-1]}: resume={older[-1]}" if older
+                else "no earlier intact checkpoint exists")
+        raise ConfigError(f"resume={resume!r}: {found / 'trainer.pt'} is damaged or truncated (not a complete torch "
+                          f"file); {then}")
+    return found
+
+
+def intact(ckpt: Path) -> bool:
+    """Whether trainer.pt is a complete torch file (a zip archive: a truncated one has no central directory at
+    its end). Reads the archive's directory only, not the tensors."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(ckpt / "trainer.pt") as z:
+            return bool(z.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def _complete(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
 
 
 def tidy_for_resume(run_dir: Path, step: int, metrics_file: str, main: bool) -> None:

@@ -16,53 +16,11 @@ import torch
 
 from qarl_cli.config.errors import ConfigError, UserError
 
-PREFIX = "step_"
+from qarl_cli.train.rundir import PREFIX, find_resume, intact, latest  # noqa: F401 - torch-free, shared
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
-
-
-def latest(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint under `root` (a run directory or its checkpoints/), or None."""
-    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    found = _complete(root)
-    return found[-1] if found else None
-
-
-def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """`resume`: null (start fresh), "true" (the newest checkpoint of this run directory: pass
-    hydra.run.dir=<the run's directory>), or a run directory or a checkpoint directory."""
-    if resume in (None, "", "false", "False"):
-        return None
-    where = run_dir if resume in ("true", "True") else Path(os.path.expanduser(str(resume)))
-    found = where if (where / "trainer.pt").is_file() else latest(where) if where.is_dir() else None
-    if found is None:
-        raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
-                          "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
-    if not intact(found):
-        older = [p for p in _complete(found.parent) if p.name < found.name and intact(p)]
-        then = (f"the last intact checkpoint is {older[-1]}: resume={older[-1]}" if older
-                else "no earlier intact checkpoint exists")
-        raise ConfigError(f"resume={resume!r}: {found / 'trainer.pt'} is damaged or truncated (not a complete torch "
-                          f"file); {then}")
-    return found
-
-
-def intact(ckpt: Path) -> bool:
-    """Whether trainer.pt is a complete torch file (a zip archive: a truncated one has no central directory at
-    its end). Reads the archive's directory only, not the tensors."""
-    import zipfile
-
-    try:
-        with zipfile.ZipFile(ckpt / "trainer.pt") as z:
-            return bool(z.namelist())
-    except (OSError, zipfile.BadZipFile):
-        return False
-
-
-def _complete(root: Path) -> list[Path]:
-    return sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
 
 
 def checkpoint_step(ckpt: Path) -> int:
