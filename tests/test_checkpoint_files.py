@@ -5,6 +5,7 @@ tokens that end a response (rollout.base.stop_ids, used by the torch engine and 
 from pathlib import Path
 
 import pytest
+import torch
 
 from qarl_cli.config.errors import ConfigError
 from qarl_cli.quant.checkpoint import WEIGHT_SUFFIXES, copy_side_files
@@ -16,7 +17,7 @@ def _run_dir(root: Path, steps, incomplete=()) -> Path:
     """A run directory with complete checkpoints at `steps` and ones without trainer.pt at `incomplete`."""
     for step in steps:
         (checkpoint_dir(root, step) / "model").mkdir(parents=True)
-        (checkpoint_dir(root, step) / "trainer.pt").write_bytes(b"")
+        torch.save({"step": step}, checkpoint_dir(root, step) / "trainer.pt")
     for step in incomplete:
         (checkpoint_dir(root, step) / "model").mkdir(parents=True)
     return root
@@ -53,6 +54,22 @@ def test_resume_without_a_checkpoint_says_where_it_looked(tmp_path, where):
         find_resume(resume, run)
     looked = run if where == "true" else Path(resume)
     assert str(err.value).startswith(f"resume={resume!r}: no checkpoint in {str(looked)!r}")
+
+
+@pytest.mark.parametrize("resume", ["true", "step"])
+def test_a_truncated_trainer_state_is_named_with_the_last_intact_checkpoint(tmp_path, resume):
+    """A copy or a disk that stopped half-way: the file is named, and so is the checkpoint to resume instead."""
+    run = _run_dir(tmp_path / "run", [2, 4])
+    cut = run / "checkpoints" / "step_000004" / "trainer.pt"
+    with open(cut, "r+b") as f:
+        f.truncate(cut.stat().st_size // 2)
+    given = "true" if resume == "true" else str(cut.parent)
+    with pytest.raises(ConfigError) as err:
+        find_resume(given, run)
+    intact = run / "checkpoints" / "step_000002"
+    assert str(err.value) == (f"resume={given!r}: {cut} is damaged or truncated (not a complete torch file); the "
+                              f"last intact checkpoint is {intact}: resume={intact}")
+    assert find_resume(str(intact), run) == intact
 
 
 def test_side_files_are_copied_and_weights_are_not(tmp_path):

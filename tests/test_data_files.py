@@ -133,6 +133,13 @@ def test_malformed_parquet_row(tmp_path):
         load_problems(path)
 
 
+def test_parquet_with_unknown_columns_names_the_columns_it_has(tmp_path):
+    """Only the known columns are read: a file with none of them was reported as "has the fields []"."""
+    path = _write(tmp_path / "w.parquet", [{"Query": "1+1", "Target": "2"}])
+    with pytest.raises(DataError, match=r"w\.parquet: no known layout has the columns \['Query', 'Target'\]"):
+        load_problems(path)
+
+
 def test_named_layout_that_does_not_fit(tmp_path):
     path = _write(tmp_path / "n.jsonl", CASES["math"][0])
     with pytest.raises(DataError, match=r"n\.jsonl, line 1: field 'question': missing \(layout gsm8k\)$"):

@@ -187,14 +187,18 @@ def test_quantize_onto_a_full_disk_says_so_and_leaves_nothing(tiny, tmp_path, mo
 
 
 def test_a_full_disk_is_recognised_in_every_form_the_writers_raise_it(tmp_path):
-    from qarl_cli.quant.checkpoint import _disk_full
+    from qarl_cli.machine.disk import disk_full
 
     with pytest.raises(OSError) as err:  # /dev/full: every write fails with ENOSPC
         with open("/dev/full", "w") as f:
             f.write("x")
-    assert _disk_full(err.value)
-    assert not _disk_full(FileNotFoundError(2, "No such file or directory"))
-    assert not _disk_full(RuntimeError("No space left on device (os error 28)"))  # not an I/O error type
+    assert disk_full(err.value)
+    with pytest.raises(RuntimeError) as err:  # torch.save's zip writer on a full device
+        torch.save({"w": torch.zeros(4096)}, "/dev/full")
+    assert disk_full(err.value), err.value
+    assert disk_full(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 403712 vs 403664"))
+    assert not disk_full(FileNotFoundError(2, "No such file or directory"))
+    assert not disk_full(RuntimeError("No space left on device (os error 28)"))  # not an I/O error type
 
 
 # ------------------------------------------------------------------------- two writers, one output
@@ -262,5 +266,5 @@ def test_train_refuses_a_test_size_that_leaves_a_split_empty(tiny, tmp_path, mon
     data = tmp_path / "five.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(5)))
     assert main(["train", "model=hf", f"model.path={tiny}", "data=file", f"data.path={data}",
-                 f"data.test_size={test_size}", "steps=1", "eval_every=0"]) == 2
+                 f"data.test_size={test_size}", "steps=1", "eval_every=0", "max_new_tokens=16"]) == 2
     assert _error_line(capsys).startswith(f"qarl train: error: {message.format(f=data)}")

@@ -90,9 +90,27 @@ def test_a_resume_checkpoint_missing_a_file_is_named(tiny, tmp_path):
     run = tmp_path / "run"
     ckpt = run / "checkpoints" / "step_000002"
     shutil.copytree(tiny, ckpt / "model")
-    (ckpt / "trainer.pt").write_bytes(b"")  # never read: the checks before loading refuse the checkpoint
+    import torch
+
+    torch.save({"step": 2}, ckpt / "trainer.pt")  # complete, never loaded: the model's check refuses first
     (ckpt / "model" / "model.safetensors").unlink()
     out = _qarl("train", *SMALL, "rollout=torch", "steps=3", f"resume={run}", f"hydra.run.dir={run}", cwd=tmp_path)
     line = _one_error_line(out)
     assert line == f"qarl train: error: resume={run}: no weights (model.safetensors, or model.safetensors.index.json " \
                    f"and its shards) in {ckpt / 'model'}", line
+
+
+@pytest.mark.parametrize("option", [[], ["model=hf"]])
+def test_a_training_checkpoint_folder_points_to_its_model(models, tmp_path, monkeypatch, capsys, option):
+    """model.path=RUN/checkpoints/step_N (the folder rather than its model/) said "use model=hf model.path=SAME",
+    which then failed with "no tokenizer": neither said model/. Both forms now name model/."""
+    from qarl_cli.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    ckpt = tmp_path / "RUN" / "checkpoints" / "step_000002"
+    shutil.copytree(models["dense"], ckpt / "model")
+    (ckpt / "trainer.pt").write_bytes(b"state")
+    assert main(["eval", *option, f"model.path={ckpt}", "limit=2", "rollout=torch"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert len(err) == 1 and err[0].endswith(f"{ckpt} is a training checkpoint; its model is {ckpt / 'model'}: "
+                                             f"model.path={ckpt / 'model'}"), err

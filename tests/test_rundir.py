@@ -42,12 +42,21 @@ def test_a_live_process_holds_the_directory_and_a_dead_one_does_not(tmp_path):
 def test_a_fresh_run_refuses_a_directory_holding_a_run_unless_told_to_replace_it(tmp_path):
     rundir.check_fresh(tmp_path, overwrite=False)  # empty: fine
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
-    (tmp_path / "checkpoints" / "step_000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / ".step_000001.tmp-1").mkdir(parents=True)  # stopped in its first checkpoint
+    with pytest.raises(ConfigError, match="stopped before its first checkpoint.*overwrite=true") as err:
+        rundir.check_fresh(tmp_path, overwrite=False)
+    assert "resume" not in str(err.value).replace("to resume", "")  # resume=true would find nothing
+    (tmp_path / "checkpoints" / "step_000001").mkdir()
+    (tmp_path / "checkpoints" / "step_000001" / "trainer.pt").write_bytes(b"x")
     with pytest.raises(ConfigError, match="already holds a run.*resume=true.*overwrite=true"):
         rundir.check_fresh(tmp_path, overwrite=False)
     assert (tmp_path / "metrics.jsonl").exists()  # a refusal loses nothing
     rundir.check_fresh(tmp_path, overwrite=True)
+    aside = rundir.set_aside(tmp_path)  # replaced: moved beside, not deleted, until the new run has a checkpoint
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "checkpoints").exists()
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and (aside / "checkpoints").is_dir()
+    rundir.drop_replaced(tmp_path)
+    assert not aside.exists()
 
 
 def test_resume_refuses_changed_keys_by_name_and_allows_the_resumable_ones(tmp_path):

@@ -340,6 +340,28 @@ def test_a_full_disk_at_a_checkpoint_names_the_checkpoint_and_suggests_only_what
     assert "no earlier checkpoint exists" in message and "resume" not in message
 
 
+def test_a_checkpoint_on_a_full_device_names_the_device_and_the_intact_checkpoint(tmp_path, monkeypatch):
+    """The second checkpoint's trainer.pt goes to /dev/full, where torch's own zip writer fails as it does on a
+    full file system ("[enforce fail at inline_container.cc] . unexpected pos ..."), which was reported as a bug
+    with a traceback. It is one line: the device is full, where, which checkpoint is intact, how to resume."""
+    from qarl_cli.train import failures, loop
+
+    cfg = _small_cfg("steps=4", "checkpoint_every=2")
+    real = torch.save
+
+    def full(obj, path, *args, **kwargs):
+        return real(obj, "/dev/full" if ".step_000004" in str(path) else path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(failures.StageFailed) as err:
+        loop.train(cfg, tmp_path)
+    message = str(err.value)
+    assert message.startswith(f"no space left on the device at {tmp_path / 'checkpoints'}; step_000004 was not "
+                              f"written; step_000002 is intact; resume with resume={tmp_path} once there is room")
+    assert "\n" not in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]  # no half-written one
+
+
 def test_no_signal_steps_advance_the_schedule_and_push_nothing(tmp_path, monkeypatch):
     """A step whose groups all got equal rewards trains nothing: its lr schedule still advances (the schedule
     follows RL steps), and the unchanged weights are not pushed to the engine again."""
@@ -671,3 +693,12 @@ def test_asynchronous_rollouts_train_on_batches_one_update_old(tmp_path):
     for s in (3, 4):
         for key in ("rollout/staleness_mean", "rollout/weight_version", "reward/mean", "response/len_mean"):
             assert again[s][key] == lag[s][key], (s, key)
+
+
+def test_a_run_without_evaluations_still_writes_its_summary(tmp_path):
+    """The README promises summary.json in every run directory; eval_every=0 wrote none."""
+    from qarl_cli.train import loop
+
+    loop.train(_small_cfg("steps=1", "eval_every=0"), tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == {"first": None, "last": None, "history": [], "run_dir": str(tmp_path)}

@@ -28,7 +28,8 @@ def run_command(command: str, args: list[str]) -> int:
     parsed = get_args_parser().parse_args(args)
     if not (parsed.help or parsed.hydra_help or parsed.info or parsed.shell_completion):
         try:
-            record = precheck(command, parsed.overrides, allow_missing=parsed.cfg is not None)
+            record = precheck(command, parsed.overrides, allow_missing=parsed.cfg is not None,
+                              multirun=parsed.multirun)
         except ConfigError as e:
             print(f"qarl {command}: error: {e}", file=sys.stderr)
             return EXIT_USAGE
@@ -41,9 +42,11 @@ def run_command(command: str, args: list[str]) -> int:
         return EXIT_INTERRUPTED
 
 
-def precheck(command: str, overrides: list[str], allow_missing: bool = False) -> str | None:
+def precheck(command: str, overrides: list[str], allow_missing: bool = False, multirun: bool = False) -> str | None:
     """Compose and validate before Hydra runs anything, so a typo fails in one line, before any model loads.
-    Each value of a sweep is checked (the others held at their first value). Returns where Hydra should record
+    Each value of a sweep is checked (the others held at their first value), and so are the paths the command
+    would replace (its `check_paths(cfg, run_dir)`, where it has one: Hydra writes into the run directory as
+    it starts, so a refusal later would already have touched it; `--cfg` runs nothing). Returns where Hydra should record
     this launch's config when the run directory already holds a record (a resume, or a run refused for
     holding one): in a sub-directory of its own, so the record of what the run did is never rewritten."""
     from hydra import compose, initialize_config_dir
@@ -75,7 +78,11 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False) ->
                 cfg = compose(config_name=command, overrides=variant, return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as e:
                 raise ConfigError(_compose_error(e)) from None
-            validate(cfg, command, allow_missing, variant)
+            typed = validate(cfg, command, allow_missing, variant)
+            run_dir = Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir))
+            check = getattr(importlib.import_module(f"qarl_cli.commands.{command}"), "check_paths", None)
+            if check is not None and not allow_missing:
+                check(typed, run_dir)
         run_dir = Path(str(cfg.hydra.run.dir))
     GlobalHydra.instance().clear()
     if (run_dir / ".hydra" / "config.yaml").is_file():
@@ -135,7 +142,7 @@ def _job_failed(command: str, err: Exception, run_dir: Path) -> None:
         traceback.print_exception(err, file=sys.stderr)
         why = f"{type(err).__name__}: {why}"
     print(f"qarl {command}: job {run_dir} failed: {why}; the sweep goes on", file=sys.stderr)
-    if not (run_dir / STATUS).is_file():
+    if not (run_dir / STATUS).is_file() and not getattr(err, "not_ours", False):  # not another live run's dir
         write_status(run_dir, FAILED, why)
 
 

@@ -12,14 +12,28 @@ from qarl_cli.config.errors import ConfigError
 from qarl_cli.config.root import QuantizeConfig
 
 
+def check_paths(cfg: QuantizeConfig, run_dir: Path) -> None:
+    """At compose time, before Hydra creates anything: what `out` would replace (machine.disk)."""
+    from qarl_cli.machine.disk import refuse_overlap, replaceable
+
+    out = Path(os.path.expanduser(cfg.out))
+    if (out.exists() or out.is_symlink()) and not cfg.overwrite:
+        raise ConfigError(f"out={cfg.out!r} already exists; pass overwrite=true to replace it")
+    why = "the output must be a directory of its own, apart from the checkpoint it is made from"
+    refuse_overlap("out", out, [("model.path", cfg.model.path)], why)
+    refuse_overlap("out", out, [("hydra.run.dir", run_dir)], "quantize.json goes to the run directory: give the "
+                   "checkpoint a directory of its own")
+    if cfg.overwrite:
+        replaceable("out", out)
+
+
 def run(cfg: QuantizeConfig, run_dir: Path) -> int:
     from qarl_cli.models.resolve import model_dir
     from qarl_cli.quant import build_scheme
     from qarl_cli.quant.checkpoint import write_checkpoint
 
     out = Path(os.path.expanduser(cfg.out))
-    if out.exists() and not cfg.overwrite:  # before building or reading any model
-        raise ConfigError(f"out={cfg.out!r} already exists; pass overwrite=true to replace it")
+    check_paths(cfg, run_dir)  # again: the disk may have changed since (write_checkpoint checks at the rename too)
     src = model_dir(cfg.model)
     scheme = build_scheme(cfg.quant, cfg.device)
     summary = write_checkpoint(src, out, scheme, overwrite=cfg.overwrite,

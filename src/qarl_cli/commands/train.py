@@ -9,9 +9,17 @@ missing GPU, and the embedded engine (same quantized modules) for a scheme vLLM 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from qarl_cli.config.root import TrainConfig
+
+
+def check_paths(cfg: TrainConfig, run_dir: Path) -> None:
+    """At compose time, before Hydra creates or writes the run directory (train.rundir.check_paths)."""
+    from qarl_cli.train import rundir
+
+    rundir.check_paths(run_dir, cfg)
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> int:
@@ -42,9 +50,14 @@ def recorded(run_dir: Path, main: bool, body) -> int:
     from qarl_cli.results.runs import FAILED, FINISHED, INTERRUPTED, write_status
     from qarl_cli.train.failures import Interrupted
 
+    from qarl_cli.train import rundir
+
     try:
         code = body()
     except BaseException as e:
+        aside = sorted(run_dir.glob(f"{rundir.ASIDE}*")) if main else []
+        if aside:  # no checkpoint of this run yet: the run overwrite=true replaces is still whole
+            print(f"qarl train: the run that overwrite=true replaced is kept in {aside[-1]}", file=sys.stderr)
         if main:
             stopped = isinstance(e, (Interrupted, KeyboardInterrupt, SystemExit))
             first = (str(e).strip().splitlines() or [""])[0]
@@ -53,6 +66,7 @@ def recorded(run_dir: Path, main: bool, body) -> int:
         raise
     if main:
         write_status(run_dir, FINISHED)
+        rundir.drop_replaced(run_dir)
     return code
 
 
@@ -62,8 +76,10 @@ def own(run_dir: Path, cfg: TrainConfig) -> None:
 
     rundir.claim(run_dir)
     rundir.remove_partial_checkpoints(run_dir)
-    if not cfg.resume and not cfg.dry_run:
-        rundir.check_fresh(run_dir, cfg.overwrite)
+    if not cfg.resume:
+        rundir.check_fresh(run_dir, cfg.overwrite)  # again, now under the lock
+        if cfg.overwrite:
+            rundir.set_aside(run_dir)
 
 
 def dry(cfg: TrainConfig) -> TrainConfig:

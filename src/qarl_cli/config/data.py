@@ -66,6 +66,17 @@ class ArithDataConfig(DataConfig):
         require(len(self.levels) > 0 and all(lv in (0, 1, 2, 3) for lv in self.levels), "levels", self.levels,
                 "must be a non-empty list drawn from 0, 1, 2, 3")
         _check_question(self.question)
+        _generated(self)
+
+
+def _generated(cfg: DataConfig) -> None:
+    """A generated option reads no file: data.path, test_path or layout set on it would be ignored, and the run
+    would train on arithmetic while the user named their file (exit 0). Refused, pointing to data=file."""
+    for key, value in (("path", cfg.path), ("test_path", cfg.test_path)):
+        require(value is None, key, value, f"data={cfg.name} generates its problems and reads no file: for your "
+                "own problems use data=file data.path=FILE (or the option of its layout)")
+    require(cfg.layout == "auto", "layout", cfg.layout, f"data={cfg.name} generates its problems: a layout is a "
+            "data file's (data=file)")
 
 
 def _check_question(question: str) -> None:
@@ -102,6 +113,7 @@ class ArithCotDataConfig(DataConfig):
                 and len(set(self.operators)) == len(self.operators), "operators", self.operators,
                 "must be some of + - * (each once), e.g. +-")
         _check_question(self.question)
+        _generated(self)
 
 
 @dataclass

@@ -123,7 +123,12 @@ def validate(cfg: DictConfig, command: str, allow_missing: bool = False, overrid
             _check_name(group, _to_object(cfg, group, allow_missing))
     from qarl_cli.config.finite import reject_nonfinite  # no NaN/inf anywhere, named by key
 
-    return reject_nonfinite(_to_object(cfg, None, allow_missing))
+    typed = reject_nonfinite(_to_object(cfg, None, allow_missing))
+    if typed is not None:
+        from qarl_cli.config.engine_limits import check_engine_limits  # what vLLM and the model accept
+
+        check_engine_limits(typed)
+    return typed
 
 
 def _check_name(group: str, node: Any) -> None:

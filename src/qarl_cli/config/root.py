@@ -21,7 +21,8 @@ class _Common:
     # (a launched server's to its server-N.log); without verbose the console shows qarl's lines and their errors.
     verbose: bool = False
     model: Any = MISSING
-    DOMAINS: ClassVar[dict] = {"seed": ANY}
+    # vLLM seeds numpy with it (np.random.seed takes 0..2**32-1): a negative or larger seed failed at step 1
+    DOMAINS: ClassVar[dict] = {"seed": between(0, 2**32 - 1, "numpy's range, which vLLM seeds with it")}
 
     def __post_init__(self) -> None:
         require(self.device in DEVICES, "device", self.device, f"must be one of {', '.join(DEVICES)}")

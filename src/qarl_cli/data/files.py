@@ -123,6 +123,9 @@ def _records(path: str) -> Iterator[tuple[str, dict]]:
             table = pq.read_table(path, columns=[c for c in names if c.lower() in _COLUMNS])
         except Exception as e:  # pyarrow raises several types for a damaged file
             raise DataError(f"{path}: not a readable parquet file: {e}".replace("\n", " ")) from None
+        if not any(c.lower() in _COLUMNS for c in names):  # only known columns are read: say what the file has
+            raise DataError(f"{path}: no known layout has the columns {names}; expected one of: question+answer "
+                            "(gsm8k), problem+solution/answer (math, aime, openr1), prompt+reward_model (dapo)")
         for i, record in enumerate(table.to_pylist(), start=1):
             yield f"row {i}", record
     else:

@@ -50,6 +50,13 @@ def check_files(path: Path) -> None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
+def training_checkpoint_model(path: Path) -> Path | None:
+    """`path/model` when `path` is a training checkpoint (checkpoints/step_N/: model/ beside trainer.pt) rather
+    than the Hugging Face checkpoint inside it, which is what model.path takes."""
+    inner = Path(path) / "model"
+    return inner if (Path(path) / "trainer.pt").is_file() and (inner / "config.json").is_file() else None
+
+
 def check_model_dir(path: Path, what: str) -> Path:
     """`path` unchanged, or ConfigError "{what}: ..." naming the directory and the first file a run would miss:
     config.json (present, a JSON object), a tokenizer (one of TOKENIZER_FILES, readable JSON) and safetensors
@@ -71,6 +78,10 @@ def check_model_dir(path: Path, what: str) -> Path:
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise ConfigError(f"{what}: {path / name} cannot be read ({why}); copy or write it again") from None
 
+    inner = training_checkpoint_model(path)
+    if inner is not None:
+        raise ConfigError(f"{what}: {path} is a training checkpoint; its model is {inner}: "
+                          f"{what.split('=')[0]}={inner}")
     if not (path / "config.json").is_file():
         raise ConfigError(f"{what}: no config.json in {path} (not a Hugging Face checkpoint directory)")
     if not isinstance(read_json("config.json"), dict):

@@ -22,7 +22,10 @@ def model_dir(cfg: ModelConfig, log: Callable[[str], None] = print) -> Path:
     if cfg.path:
         path = Path(os.path.expanduser(str(cfg.path)))
         if getattr(type(cfg), "impl", LOCAL) != LOCAL and path.is_dir():  # an option that builds its own model
-            check_built_by(cfg, path)  # first: another model's checkpoint is model=hf's, whatever files it has
+            from qarl_cli.models.integrity import training_checkpoint_model
+
+            if training_checkpoint_model(path) is None:  # else check_model_dir points to its model/
+                check_built_by(cfg, path)  # first: another model's checkpoint is model=hf's, whatever files it has
         return local_checkpoint(cfg, log)
     from qarl_cli.models.integrity import check_model_dir
     from qarl_cli.stages import resolve

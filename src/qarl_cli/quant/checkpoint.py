@@ -21,6 +21,7 @@ from qarl_cli.config.errors import ConfigError, UserError
 from qarl_cli.quant.base import CachedWq, Scheme
 from qarl_cli.quant.select import CheckpointPlan, checkpoint_plan, checkpoint_state
 from qarl_cli.models.safetensors_files import INDEX, SINGLE, open_safetensors, read_tensors
+from qarl_cli.machine.disk import disk_full
 
 # Files that hold weights (of any framework); a checkpoint's other files are its side files.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5")
@@ -147,6 +148,17 @@ def shard_files(src: Path) -> list[str]:
     raise ConfigError(f"model.path={str(src)!r}: no safetensors weights ({SINGLE} or {INDEX})")
 
 
+def check_out(out: Path, src: Path, overwrite: bool) -> None:
+    """Before anything is read or written: `out` apart from the input (replacing a directory that holds the input
+    would delete it), and, to be replaced, a checkpoint directory itself."""
+    from qarl_cli.machine.disk import refuse_overlap, replaceable
+
+    refuse_overlap("out", out, [("model.path", src)], "the output must be a directory of its own, apart from "
+                   "the checkpoint it is made from")
+    if overwrite:
+        replaceable("out", out)
+
+
 def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = False, progress: bool = True,
                      trust_remote_code: bool = False) -> dict:
     """Write `src` quantized with `scheme` to `out` (config, tokenizer, generation config and other files
@@ -159,8 +171,7 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     src, out = Path(src), Path(out)
     if out.exists() and not overwrite:
         raise ConfigError(f"out={str(out)!r} already exists; pass overwrite=true to replace it")
-    if out.resolve() == src.resolve():
-        raise ConfigError(f"out={str(out)!r} is the input checkpoint")
+    check_out(out, src, overwrite)
     start = time.time()
     plan = plan_for(load_meta_model(src, trust_remote_code), scheme)
     files = shard_files(src)
@@ -195,7 +206,7 @@ def write_checkpoint(src: Path, out: Path, scheme: Scheme, overwrite: bool = Fal
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if _disk_full(e):
+        if disk_full(e):
             raise UserError(f"out={str(out)!r}: no space left on its file system while writing the checkpoint "
                             f"({_first_line(e)}); nothing was written (the input's weights: {_size(src)} MiB)"
                             ) from None
@@ -216,16 +227,6 @@ def _read_shard(src: Path, file: str, keys: list[str], seen: set[str], advance: 
         seen.add(key)
         yield key, tensor
         advance()
-
-
-def _disk_full(e: BaseException) -> bool:
-    """An OSError ENOSPC/EDQUOT, or safetensors' error for one (it reports the OS error in its message)."""
-    import errno
-
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    return type(e).__name__ == "SafetensorError" and any(f"(os error {n})" in str(e)
-                                                         for n in (errno.ENOSPC, errno.EDQUOT))
 
 
 def _first_line(e: BaseException) -> str:

@@ -6,6 +6,7 @@ anything else is a NotARun, one line naming the path."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -91,7 +92,10 @@ def overrides_of(run_dir: Path) -> list[str]:
 
 
 def write_status(run_dir: Path, status: str, error: Optional[str] = None) -> None:
-    (run_dir / STATUS).write_text(json.dumps({"status": status, "error": error}) + "\n")
+    """Written beside and renamed over: a kill mid-write leaves the earlier record whole, never a cut one."""
+    tmp = run_dir / f".{STATUS}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"status": status, "error": error}) + "\n")
+    os.replace(tmp, run_dir / STATUS)
 
 
 def status_of(run_dir: Path) -> tuple[str, Optional[str]]:

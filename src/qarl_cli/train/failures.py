@@ -45,6 +45,8 @@ def stopped(run: Any, stage: str, trained: int, saved: int, error: BaseException
             str(error) if isinstance(error, Terminated) else "stopped (SystemExit)"
         code = 130 if isinstance(error, KeyboardInterrupt) else error.code if isinstance(error.code, int) else 1
         return Interrupted(f"{how} at step {trained} (during {stage}); {kept}{resume}", code)
+    if isinstance(error, state.DiskFull):  # the step's checkpoint: the message names the device and what is intact
+        return StageFailed(f"{error}; traceback in {log}")
     first = str(error).strip().splitlines()[0] if str(error).strip() else ""
     what = f"{stage} failed at step {trained + (stage != 'checkpoint')} ({type(error).__name__}: {first})"
     if isinstance(error, (UserError, OSError, MemoryError)):

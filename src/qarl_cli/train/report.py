@@ -4,6 +4,7 @@ accuracy, through the rollout engine), one summary line per step, and the final 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -46,7 +47,10 @@ def step_line(step: int, total: int, m: dict) -> str:
 
 
 def final_table(console: Any, history: list[dict], run_dir: Path) -> None:
+    """The evaluations as a table and summary.json, which every finished run writes: with eval_every=0 its
+    history is empty and first / last are null (the train curves are in metrics.jsonl)."""
     if not history:
+        _write_summary(run_dir, {"first": None, "last": None, "history": [], "run_dir": str(run_dir)})
         return
     keys = [k for k in history[0] if k != "step" and "/" in k and k.count("/") == 1]
     table = Table(title="qarl train: test-split evaluation")
@@ -59,7 +63,7 @@ def final_table(console: Any, history: list[dict], run_dir: Path) -> None:
     console.print(table)
     first, last = history[0], history[-1]
     summary = {"first": first, "last": last, "history": history, "run_dir": str(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _write_summary(run_dir, summary)
     k = next(k for k in keys if k.startswith("eval/avg@"))
     console.print(f"[qarl] {k.removeprefix('eval/')}: {first[k]:.1%} -> {last[k]:.1%}; greedy "
                   f"{first['eval/greedy_acc']:.1%} -> {last['eval/greedy_acc']:.1%}; run dir {run_dir}")
@@ -71,3 +75,10 @@ def draw_curves(run: Any, console: Any) -> None:
         from qarl_cli.results.plot import draw_quietly
 
         draw_quietly(run.run_dir, console.print, run.cfg.logger.metrics_file)
+
+
+def _write_summary(run_dir: Path, summary: dict) -> None:
+    """Written beside and renamed over: a kill mid-write leaves the earlier file whole, never a cut one."""
+    tmp = run_dir / f".summary.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, run_dir / "summary.json")

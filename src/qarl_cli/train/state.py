@@ -14,35 +14,13 @@ from typing import Any, Optional
 
 import torch
 
-from qarl_cli.config.errors import ConfigError
+from qarl_cli.config.errors import ConfigError, UserError
 
-PREFIX = "step_"
+from qarl_cli.train.rundir import PREFIX, find_resume, intact, latest  # noqa: F401 - torch-free, shared
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
     return run_dir / "checkpoints" / f"{PREFIX}{step:06d}"
-
-
-def latest(root: Path) -> Optional[Path]:
-    """The newest complete checkpoint under `root` (a run directory or its checkpoints/), or None."""
-    root = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-    found = sorted(p for p in root.glob(f"{PREFIX}*") if (p / "trainer.pt").is_file())
-    return found[-1] if found else None
-
-
-def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """`resume`: null (start fresh), "true" (the newest checkpoint of this run directory: pass
-    hydra.run.dir=<the run's directory>), or a run directory or a checkpoint directory."""
-    if resume in (None, "", "false", "False"):
-        return None
-    where = run_dir if resume in ("true", "True") else Path(os.path.expanduser(str(resume)))
-    if (where / "trainer.pt").is_file():
-        return where
-    found = latest(where) if where.is_dir() else None
-    if found is None:
-        raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
-                          "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
-    return found
 
 
 def checkpoint_step(ckpt: Path) -> int:
@@ -97,12 +75,31 @@ def save(run_dir: Path, step: int, model: torch.nn.Module, learner: Any, source:
         from qarl_cli.train.rundir import CONFIG, config_dict
 
         (tmp / CONFIG).write_text(json.dumps(config_dict(learner.cfg), indent=1) + "\n")  # what resume checks
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    except BaseException:
+        from qarl_cli.machine.scratch import publish
+
+        publish(tmp, final, replace=True)  # an older step_N (a resume from before it) is swapped, never missing
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        from qarl_cli.machine.disk import disk_full
+
+        if disk_full(e):
+            raise DiskFull(final, latest(run_dir)) from e
         raise
+    from qarl_cli.train.rundir import drop_replaced
+
+    drop_replaced(run_dir)  # this run's first checkpoint: the run overwrite=true replaced is no longer needed
     return final
+
+
+class DiskFull(UserError):
+    """A checkpoint write that ran out of space: named as such, with the checkpoint that is intact."""
+
+    def __init__(self, final: Path, intact: Optional[Path]) -> None:
+        self.final, self.intact = final, intact
+        run_dir = final.parent.parent
+        kept = (f"{intact.name} is intact; resume with resume={run_dir} once there is room" if intact is not None
+                else "no earlier checkpoint exists")
+        super().__init__(f"no space left on the device at {final.parent}; {final.name} was not written; {kept}")
 
 
 def load_trainer_state(ckpt: Path, learner: Any) -> dict:
