@@ -83,6 +83,25 @@ def master_eval(run_dir: Path) -> float:
     return json.loads((out / "eval.json").read_text())["metrics"]["eval/avg@4"]
 
 
+def start_table(bits: list[int], runs_dir: Path, limit: int) -> list[dict]:
+    """The preset's start model sampled through each dose's engine (`qarl eval`, avg@4 on the first `limit` test
+    problems): what the dose does before any training, error tokens included."""
+    rows = []
+    for b in [0, *bits]:
+        out = runs_dir / "start" / (f"w{b}" if b else "bf16")
+        if not (out / "eval.json").is_file():
+            quant = ["quant=wna16", f"quant.bits={b}"] if b else ["quant=none"]
+            subprocess.run([sys.executable, "-m", "qarl_cli.cli", "eval", "model=tiny_sum", "data=arith_sum",
+                            "rollout=torch", f"limit={limit}", *quant, f"hydra.run.dir={out}"], check=True,
+                           stdout=subprocess.DEVNULL)
+        m = json.loads((out / "eval.json").read_text())["metrics"]
+        rows.append({"rollout": f"{b}-bit" if b else "unquantized", "avg@4": f"{100 * m['eval/avg@4']:.1f}",
+                     "len": f"{m['eval/len_mean']:.0f}",
+                     **{f"{k} %": f"{100 * m[f'error_tokens/{k}_frac']:.1f}"
+                        for k in ("any", "truncated", "repeat", "garbled")}})
+    return rows
+
+
 def collapsed(result: dict) -> bool:
     rewards = [s["reward/mean"] for s in result["steps"]]
     first, last = result["summary"]["first"]["eval/avg@4"], result["summary"]["last"]["eval/avg@4"]
@@ -170,6 +189,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, each pinned to one core")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/dose"))
+    ap.add_argument("--start-only", type=int, default=0, metavar="N",
+                    help="only evaluate the start model through each dose on N test problems, print and stop")
     args = ap.parse_args()
     import os
     import queue
@@ -179,6 +200,11 @@ def main() -> None:
     from qarl_cli.results import runs as run_records
     from qarl_cli.results.tables import markdown
 
+    if args.start_only:
+        rows = start_table([int(b) for b in args.bits.split(",")], args.runs_dir, args.start_only)
+        print(markdown(list(rows[0]), [list(r.values()) for r in rows]))
+        (args.runs_dir / "start" / "start.json").write_text(json.dumps(rows, indent=1) + "\n")
+        return
     todo = plan([int(b) for b in args.bits.split(",")], args.regimes.split(","), args.arms.split(","), args.seeds)
     cores = queue.Queue()
     for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
