@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -72,14 +73,19 @@ def name(run: dict) -> str:
     return f"{run['regime']}-{run['arm']}-{dose}-seed{run['seed']}"
 
 
-def master_eval(run_dir: Path) -> float:
+def master_eval(run_dir: Path, core: int | None) -> float:
     """avg@4 of the final checkpoint's bf16 masters on the test split (rollout=torch, quant=none)."""
+    from omegaconf import OmegaConf
+
     out = run_dir / "eval_masters"
     if not (out / "eval.json").is_file():
         ckpt = max((run_dir / "checkpoints").glob("step_*"))
+        size = OmegaConf.load(run_dir / ".hydra" / "config.yaml").data.test_size  # the run's own test split
         subprocess.run([sys.executable, "-m", "qarl_cli.cli", "eval", "model=hf", f"model.path={ckpt / 'model'}",
-                        "data=arith_sum", "quant=none", "rollout=torch", f"hydra.run.dir={out}"],
-                       check=True, stdout=subprocess.DEVNULL)
+                        "data=arith_sum", f"data.test_size={size}", "quant=none", "rollout=torch",
+                        f"hydra.run.dir={out}"], check=True, stdout=subprocess.DEVNULL,
+                       env={**os.environ, **({"OMP_NUM_THREADS": "1"} if core is not None else {})},
+                       preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))
     return json.loads((out / "eval.json").read_text())["metrics"]["eval/avg@4"]
 
 
@@ -186,13 +192,14 @@ def main() -> None:
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: the preset's)")
+    ap.add_argument("--eval-every", type=int, default=None, help="eval_every (default: the preset's)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more qarl train overrides for every run")
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, each pinned to one core")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/dose"))
     ap.add_argument("--start-only", type=int, default=0, metavar="N",
                     help="only evaluate the start model through each dose on N test problems, print and stop")
     args = ap.parse_args()
-    import os
     import queue
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -209,8 +216,8 @@ def main() -> None:
     cores = queue.Queue()
     for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
         cores.put(c)
-    flags = argparse.Namespace(steps=args.steps, prompts=None, samples=None, minibatches=None, eval_every=None,
-                               lr=None)
+    flags = argparse.Namespace(steps=args.steps, prompts=None, samples=None, minibatches=None,
+                               eval_every=args.eval_every, lr=None)
     start = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task(f"{len(todo)} runs", total=len(todo))
@@ -218,8 +225,8 @@ def main() -> None:
         def do(run: dict) -> dict:
             core = cores.get()
             try:
-                r = one_run(args.runs_dir / name(run), overrides(run), flags, core)
-                masters = master_eval(args.runs_dir / name(run))
+                r = one_run(args.runs_dir / name(run), overrides(run) + args.extra, flags, core)
+                masters = master_eval(args.runs_dir / name(run), core)
             finally:
                 cores.put(core)
             first, last = r["summary"]["first"]["eval/avg@4"], r["summary"]["last"]["eval/avg@4"]

@@ -136,7 +136,7 @@ def test_default_model_starts_inside_its_band(default_model):
     assert lo - error <= test <= hi + error
 
 
-@pytest.mark.parametrize("name", ["tiny_arith", "tiny_moe"])
+@pytest.mark.parametrize("name", ["tiny_arith", "tiny_moe", "tiny_sum"])
 def test_each_default_recipe_ships_its_build(name):
     """A first run copies the shipped build instead of a warm start of minutes: each default recipe has one under
     its own cache key, recorded with that recipe, complete, and loadable as the architecture the recipe asks for.

@@ -157,7 +157,9 @@ class SmolLM2ModelConfig(ModelConfig):
 class TinySumModelConfig(TinyCotModelConfig):
     """The tiny model warm-started on data=arith_sum's worked running sums (170-300 tokens): the task of the
     dose-response study (docs/dose_response.md), where one wrong token derails a long answer. Use it with
-    data=arith_sum (+experiment=tiny_sum)."""
+    data=arith_sum (+experiment=tiny_sum). Its build ships with qarl. Built here (AMD EPYC, AVX-512, no AMX; two
+    threads, under load): 1,100 warm-start steps (500, then three chunks of 150 until the band) in 57 minutes,
+    greedy accuracy 15.0 % on 100 held-out problems and 18.0 % on the test split."""
 
     name: str = "tiny_sum"
     task: ClassVar[str] = "arith_sum"

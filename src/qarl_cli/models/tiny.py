@@ -1,12 +1,13 @@
-"""Build, warm-start and cache the built-in tiny models (`model=tiny_arith`, `tiny_cot`, `tiny_moe`).
+"""Build, warm-start and cache the built-in tiny models (`model=tiny_arith`, `tiny_cot`, `tiny_sum`, `tiny_moe`).
 
 A build writes into a temporary directory and renames it into place only when complete, then marks it with
 BUILD_MARKER; a directory without the marker (a build killed mid-way, an old layout) is rebuilt. The cache key
 hashes every field that changes the weights, so editing the recipe builds a new model beside the old one.
 
-The default recipes of tiny_arith and tiny_moe ship their builds with qarl (PREBUILT, a few MB each, written by
-scripts/build_prebuilt.py): a warm start costs minutes on two cores, and a first run should not wait for one
-(tiny_cot, whose build takes tens of minutes, can ship the same way). A shipped build
+The default recipes of tiny_arith, tiny_moe and tiny_sum ship their builds with qarl (PREBUILT, a few MB each,
+written by scripts/build_prebuilt.py): a warm start costs minutes on two cores (tiny_sum's 57 minutes here), and a
+first run should not wait for one (tiny_cot, whose build takes tens of minutes, can ship the same way). A shipped
+build
 is copied into the cache only when its recipe is exactly the configured one (the same cache key);
 `model.prebuilt=false` builds here instead, into a cache entry of its own. Builds differ between CPU kinds (their
 float kernels round differently), so the shipped one also makes the default run the same on every kind."""
