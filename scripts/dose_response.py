@@ -108,11 +108,19 @@ def start_table(bits: list[int], runs_dir: Path, limit: int) -> list[dict]:
     return rows
 
 
-def collapsed(result: dict) -> bool:
-    rewards = [s["reward/mean"] for s in result["steps"]]
+def collapsed_accuracy(result: dict) -> bool:
     first, last = result["summary"]["first"]["eval/avg@4"], result["summary"]["last"]["eval/avg@4"]
-    head, tail = statistics.fmean(rewards[:10]), statistics.fmean(rewards[-10:])
-    return 100 * (first - last) > COLLAPSE_POINTS or tail < 0.5 * head
+    return 100 * (first - last) > COLLAPSE_POINTS
+
+
+def collapsed_reward(result: dict) -> bool:
+    rewards = [s["reward/mean"] for s in result["steps"]]
+    return statistics.fmean(rewards[-10:]) < 0.5 * statistics.fmean(rewards[:10])
+
+
+def collapsed(result: dict) -> bool:
+    """The definition fixed before the runs: either criterion (the table also shows which fired)."""
+    return collapsed_accuracy(result) or collapsed_reward(result)
 
 
 def table(results: list[dict]) -> list[dict]:
@@ -136,7 +144,8 @@ def table(results: list[dict]) -> list[dict]:
                      "final (bf16 masters)": f"{m[0]:.1f} ± {m[1]:.1f}", "k3 (own)": f"{late['mismatch/k3_kl']:.2e}",
                      "error tok %": f"{100 * late['error_tokens/any_frac']:.1f}",
                      "len": f"{late['response/len_mean']:.0f}", "grad norm": f"{late['update/grad_norm']:.2f}",
-                     "collapses": sum(map(collapsed, grp))})
+                     "collapses": sum(map(collapsed, grp)),
+                     "by accuracy / reward": f"{sum(map(collapsed_accuracy, grp))} / {sum(map(collapsed_reward, grp))}"})
     return rows
 
 
@@ -197,6 +206,8 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="runs at once, each pinned to one core")
     ap.add_argument("--out-dir", type=Path, default=Path("docs"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/dose"))
+    ap.add_argument("--finished-only", action="store_true",
+                    help="train nothing: tabulate the runs of the plan that have finished")
     ap.add_argument("--start-only", type=int, default=0, metavar="N",
                     help="only evaluate the start model through each dose on N test problems, print and stop")
     args = ap.parse_args()
@@ -213,6 +224,8 @@ def main() -> None:
         (args.runs_dir / "start" / "start.json").write_text(json.dumps(rows, indent=1) + "\n")
         return
     todo = plan([int(b) for b in args.bits.split(",")], args.regimes.split(","), args.arms.split(","), args.seeds)
+    if args.finished_only:
+        todo = [run for run in todo if (args.runs_dir / name(run) / "eval_masters" / "eval.json").is_file()]
     cores = queue.Queue()
     for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
         cores.put(c)
@@ -245,8 +258,13 @@ def main() -> None:
     plot(rows, results, args.out_dir / "dose_response.png")
     text = markdown(list(rows[0]), [list(map(str, r.values())) for r in rows])
     minutes = (time.perf_counter() - start) / 60
-    scale = (f"{len(results)} runs, {args.seeds} seed(s), {sum(r['wall_s'] for r in results) / 60:.0f} "
+    scale = (f"{len(results)} runs, seeds {sorted({r['seed'] for r in results})}, {sum(r['wall_s'] for r in results) / 60:.0f} "
              f"run-minutes ({minutes:.0f} minutes for this invocation, {args.jobs} at once)")
+    start_file = args.runs_dir / "start" / "start.json"
+    start = json.loads(start_file.read_text()) if start_file.is_file() else []
+    start_md = ("\n## Before training: the start model through each dose\n\n`--start-only N` (`qarl eval` of "
+                "model=tiny_sum on the first N test problems, rollout=torch):\n\n"
+                + markdown(list(start[0]), [list(r.values()) for r in start])) if start else ""
     (args.out_dir / "dose_response.md").write_text(
         "# The mismatch dose-response on the long-response task\n\nProduced by `scripts/dose_response.py` "
         f"(`{' '.join(sys.argv[1:]) or 'defaults'}`); numbers as measured, whichever way they came out.\n\n"
@@ -256,9 +274,9 @@ def main() -> None:
         "steps. final (quantized): the last test avg@4 through the run's own low-bit engine; final (bf16 masters): "
         "the final checkpoint's masters evaluated unquantized. A collapse: final avg@4 more than "
         f"{COLLAPSE_POINTS:g} points below the start, or the last 10 steps' train reward below half the first "
-        "10's.\n\n![dose response](dose_response.png)\n")
+        "10's.\n\n![dose response](dose_response.png)\n" + start_md)
     (args.out_dir / "dose_response.json").write_text(json.dumps(
-        {"scale": scale, "rows": rows, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
+        {"scale": scale, "rows": rows, "start": start, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
             "first": r["summary"]["first"], "last": r["summary"]["last"]} for r in results]}, indent=1) + "\n")
     print(text)
     print(f"{scale}; wrote {args.out_dir}/dose_response.md, .json and .png")
