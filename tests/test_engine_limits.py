@@ -61,5 +61,21 @@ def test_the_model_s_own_positions_count_for_a_checkpoint(models, tmp_path, caps
         capsys.readouterr().err
 
 
+def test_a_dry_run_is_checked_for_what_it_samples(capsys, tmp_path):
+    """dry_run=true samples DRY_RUN_NEW_TOKENS per response with the model's own context length, so a paper
+    preset's budget composes on a tiny stand-in; the same budget without dry_run is refused."""
+    from qarl_cli.config.root import TrainConfig
+
+    data = tmp_path / "openr1.jsonl"
+    data.write_text('{"problem": "What is 1 + 1?", "answer": "2"}\n')
+    args = ["train", "+experiment=qwen3_30b_a3b_fp8", "model=tiny_moe", f"data.path={data}"]
+    assert main([*args, "dry_run=true", "--cfg", "job"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--cfg", "job"]) == 2
+    assert "max_new_tokens=20480: model=tiny_moe has 256 positions" in capsys.readouterr().err
+    assert main(["train", f"max_new_tokens={TrainConfig.DRY_RUN_NEW_TOKENS}", "model.max_position_embeddings="
+                 f"{TrainConfig.DRY_RUN_NEW_TOKENS}", "dry_run=true", "--cfg", "job"]) == 2  # still its own limit
+
+
 def test_the_torch_engine_is_not_held_to_vllm_s_sampling_limits(capsys):
     assert main(["train", "rollout=torch", "samples_per_prompt=20000", "temperature=3", "--cfg", "job"]) == 0

@@ -59,22 +59,37 @@ def test_a_sweep_ends_with_its_summary_and_each_job_draws_its_curves(sweep_here,
 
 
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(sweep_here, monkeypatch, capsys, tmp_path):
-    """Job 1 names a checkpoint that does not exist: valid config, fails once the run starts. Curves that cannot
-    be drawn (a full disk, say) are one line in job 0, which still finishes."""
+    """Job 1 holds out all ten problems of its file for the test split: a valid config that fails only once the
+    run reads the file (a resume of a missing checkpoint, say, is refused for the whole sweep before anything
+    runs). Curves that cannot be drawn (a full disk, say) are one line in job 0, which still finishes."""
     def full_disk(runs, out):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(plot, "draw", full_disk)
-    missing = tmp_path / "nothing"
-    assert main(["train", "-m", f"resume=null,{missing}", *TINY]) == 2  # the failed job's code (a bad value)
+    data = tmp_path / "ten.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(10)))
+    tiny = [a for a in TINY if not a.startswith("data.test_size=")]
+    assert main(["train", "-m", "data=file", f"data.path={data}", "data.test_size=4,10", "max_new_tokens=32",
+                 *tiny]) == 2  # the failed job's code (a bad value)
     sweep = sweep_here()
     out, err = capsys.readouterr()
+    why = f"data.test_size=10: data.path={data} has 10 problems, and holding out 10"
     assert f"[qarl] {sweep / '0' / 'curves.png'} not drawn (OSError: [Errno 28] No space left on device)" in out
-    assert f"qarl train: job {sweep / '1'} failed: resume='{missing}': no checkpoint" in err
+    assert f"qarl train: job {sweep / '1'} failed: {why}" in err
     assert "Traceback" not in err
     status = json.loads((sweep / "1" / "status.json").read_text())
-    assert status["status"] == "failed" and status["error"].startswith(f"resume='{missing}': no checkpoint")
+    assert status["status"] == "failed" and status["error"].startswith(why)
     summary = json.loads((sweep / "summary.json").read_text())
     assert [(j["run"], j["status"]) for j in summary["jobs"]] == [("0", "finished"), ("1", "failed")]
     assert [g["finished"] for g in summary["groups"]] == [1, 0]
-    assert f"| 1 | resume={missing} | failed: resume='{missing}': no checkpoint" in (sweep / "summary.md").read_text()
+    assert f"| 1 | data.test_size=10 | failed: {why}" in (sweep / "summary.md").read_text()
+
+
+def test_a_sweep_value_that_cannot_run_is_refused_before_any_job(sweep_here, capsys, tmp_path):
+    """A value whose refusal depends only on the disk (a resume of a checkpoint that does not exist) stops the
+    whole sweep in one line before Hydra creates its directory: no job runs and nothing is written."""
+    missing = tmp_path / "nothing"
+    assert main(["train", "-m", f"resume=null,{missing}", *TINY]) == 2
+    assert not (tmp_path / "multirun").exists()
+    err = capsys.readouterr().err
+    assert err.startswith(f"qarl train: error: resume='{missing}': no checkpoint") and len(err.splitlines()) == 1

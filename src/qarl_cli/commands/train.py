@@ -90,7 +90,7 @@ def dry(cfg: TrainConfig) -> TrainConfig:
 
     changes: dict = dict(steps=1, prompts_per_step=min(cfg.prompts_per_step, 4),
                          samples_per_prompt=min(cfg.samples_per_prompt, 2), minibatches=1, epochs_per_step=1,
-                         eval_every=0, checkpoint_every=0, max_new_tokens=min(cfg.max_new_tokens, 16))
+                         eval_every=0, checkpoint_every=0, max_new_tokens=min(cfg.max_new_tokens, cfg.DRY_RUN_NEW_TOKENS))
     notes = []
     if cfg.device == "cuda" and not torch.cuda.is_available():
         changes["device"] = "cpu"

@@ -8,7 +8,8 @@ the engine's own, read where the engine reads it:
   `_MAX_TEMP`): a set value it would not use is refused rather than silently changed;
 - max_new_tokens (and rollout.max_model_len) against the model's positions (max_position_embeddings): a
   response cannot run past the model's context, whatever the engine (vLLM refuses at start-up, the torch
-  engine would index past its position table).
+  engine would index past its position table). A dry run is checked for what it samples (DRY_RUN_NEW_TOKENS),
+  so a paper preset's dry run on a tiny stand-in model composes.
 
 The seed's range (numpy's, which vLLM seeds with it) is its DOMAINS entry in config/root.py."""
 
@@ -60,10 +61,12 @@ def _check_positions(cfg: Any) -> None:
     positions, where = _positions(model)
     if positions is None:
         return
+    max_len = getattr(getattr(cfg, "rollout", None), "max_model_len", None)
+    if getattr(cfg, "dry_run", False):  # what the dry run will sample (commands/train.py dry), not the preset's
+        new, max_len = min(new, cfg.DRY_RUN_NEW_TOKENS), None
     if new >= positions:
         raise ConfigError(f"max_new_tokens={new}: {where} has {positions} positions (max_position_embeddings), "
                           "the prompt included: set it below that")
-    max_len = getattr(getattr(cfg, "rollout", None), "max_model_len", None)
     if max_len is not None and max_len > positions:
         raise ConfigError(f"rollout.max_model_len={max_len}: {where} has {positions} positions "
                           "(max_position_embeddings)")

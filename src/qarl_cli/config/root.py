@@ -80,6 +80,9 @@ class TrainConfig(_Common, _Sampling):
     # A run without resume refuses a run directory that already holds a run; true replaces that run's results.
     overwrite: bool = False
     dry_run: bool = False  # build every stage, run one tiny step, write nothing heavy
+    # What a dry run samples per response: max_new_tokens is capped to it (and rollout.max_model_len left to the
+    # model), so a paper preset's 20k-token budget is checked against the tiny stand-in's positions as this.
+    DRY_RUN_NEW_TOKENS: ClassVar[int] = 16
     DOMAINS: ClassVar[dict] = {
         "steps": ge(1), "prompts_per_step": ge(1), "minibatches": ge(1), "epochs_per_step": ge(1),
         "samples_per_prompt": ge(2, "advantages compare the samples of a prompt with each other, one sample has none"),
