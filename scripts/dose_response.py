@@ -1,7 +1,8 @@
 """Where the aligned learner pays: the rollout-mismatch dose-response on the long-response task.
 
 The dose is the rollout's weight width (quant=wna16 quant.bits=8, 4, 3, 2: weight-only integer groups, the same
-torch engine for every dose, so only the width changes). For each dose and each regime, the arms
+torch engine for every dose, so only the width changes), with the group size as a second axis (`--bits 3g32`:
+3 bits in groups of 32 columns instead of the scheme's default; smaller groups, smaller error). For each dose and each regime, the arms
 
     bf16        unquantized rollout and learner (once per regime)     quant=none forward=bf16 algorithm=gspo
     naive       quantized rollout, bf16 learner                        quant=wna16 forward=bf16 algorithm=gspo
@@ -53,23 +54,40 @@ PER_STEP = ("mismatch/k3_kl", "mismatch/chi2", "mismatch/seq_ess", "update/grad_
             "response/neg_logprob_mean", "error_tokens/any_frac", "reward/mean")
 
 
-def plan(bits: list[int], regimes: list[str], arms: list[str], seeds: int) -> list[dict]:
+def doses(spec: str) -> list[tuple[int, int | None]]:
+    """`4,3g32` -> [(4, None), (3, 32)]: bits, and a group size where one is given (None: the scheme's)."""
+    out = []
+    for item in spec.split(","):
+        bits, _, group = item.partition("g")
+        out.append((int(bits), int(group) if group else None))
+    return out
+
+
+def quant_args(bits: int, group: int | None) -> list[str]:
+    return ["quant=wna16", f"quant.bits={bits}", *([f"quant.group_size={group}"] if group else [])]
+
+
+def dose_name(bits: int, group: int | None) -> str:
+    return f"w{bits}" + (f"g{group}" if group else "")
+
+
+def plan(dose_list: list[tuple[int, int | None]], regimes: list[str], arms: list[str], seeds: int) -> list[dict]:
     out = []
     for seed in range(seeds):  # seed by seed: a study cut short still has every arm
         for regime in regimes:
             for arm in arms:
-                for b in ([0] if arm == "bf16" else bits):
-                    out.append({"arm": arm, "bits": b, "regime": regime, "seed": seed})
+                for b, g in ([(0, None)] if arm == "bf16" else dose_list):
+                    out.append({"arm": arm, "bits": b, "group": g, "regime": regime, "seed": seed})
     return out
 
 
 def overrides(run: dict) -> list[str]:
-    quant = [] if run["arm"] == "bf16" else ["quant=wna16", f"quant.bits={run['bits']}"]
+    quant = [] if run["arm"] == "bf16" else quant_args(run["bits"], run.get("group"))
     return ["+experiment=tiny_sum", f"seed={run['seed']}", *quant, *ARMS[run["arm"]], *REGIMES[run["regime"]]]
 
 
 def name(run: dict) -> str:
-    dose = "bf16" if run["arm"] == "bf16" else f"w{run['bits']}"
+    dose = "bf16" if run["arm"] == "bf16" else dose_name(run["bits"], run.get("group"))
     return f"{run['regime']}-{run['arm']}-{dose}-seed{run['seed']}"
 
 
@@ -89,23 +107,27 @@ def master_eval(run_dir: Path, core: int | None) -> float:
     return json.loads((out / "eval.json").read_text())["metrics"]["eval/avg@4"]
 
 
-def start_table(bits: list[int], runs_dir: Path, limit: int) -> list[dict]:
+def start_table(dose_list: list[tuple[int, int | None]], runs_dir: Path, limit: int) -> list[dict]:
     """The preset's start model sampled through each dose's engine (`qarl eval`, avg@4 on the first `limit` test
     problems): what the dose does before any training, error tokens included."""
     rows = []
-    for b in [0, *bits]:
-        out = runs_dir / "start" / (f"w{b}" if b else "bf16")
+    for b, g in [(0, None), *dose_list]:
+        out = runs_dir / "start" / (dose_name(b, g) if b else "bf16")
         if not (out / "eval.json").is_file():
-            quant = ["quant=wna16", f"quant.bits={b}"] if b else ["quant=none"]
+            quant = quant_args(b, g) if b else ["quant=none"]
             subprocess.run([sys.executable, "-m", "qarl_cli.cli", "eval", "model=tiny_sum", "data=arith_sum",
                             "rollout=torch", f"limit={limit}", *quant, f"hydra.run.dir={out}"], check=True,
                            stdout=subprocess.DEVNULL)
         m = json.loads((out / "eval.json").read_text())["metrics"]
-        rows.append({"rollout": f"{b}-bit" if b else "unquantized", "avg@4": f"{100 * m['eval/avg@4']:.1f}",
+        rows.append({"rollout": label(b, g) if b else "unquantized", "avg@4": f"{100 * m['eval/avg@4']:.1f}",
                      "len": f"{m['eval/len_mean']:.0f}",
                      **{f"{k} %": f"{100 * m[f'error_tokens/{k}_frac']:.1f}"
                         for k in ("any", "truncated", "repeat", "garbled")}})
     return rows
+
+
+def label(bits: int, group: int | None) -> str:
+    return f"{bits}-bit" + (f" g{group}" if group else "")
 
 
 def collapsed_accuracy(result: dict) -> bool:
@@ -126,18 +148,19 @@ def collapsed(result: dict) -> bool:
 def table(results: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in results:
-        groups.setdefault((r["regime"], r["bits"], r["arm"]), []).append(r)
+        groups.setdefault((r["regime"], (r["bits"], r.get("group")), r["arm"]), []).append(r)
     naive_k3 = {(reg, b): statistics.fmean(late_mean(g["steps"], "mismatch/k3_kl") for g in grp)
                 for (reg, b, arm), grp in groups.items() if arm == "naive"}
     naive_ess = {(reg, b): statistics.fmean(late_mean(g["steps"], "mismatch/seq_ess") for g in grp)
                  for (reg, b, arm), grp in groups.items() if arm == "naive"}
     rows = []
-    for (regime, bits, arm), grp in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1], kv[0][2])):
+    for (regime, bits, arm), grp in sorted(groups.items(),
+                                           key=lambda kv: (kv[0][0], -kv[0][1][0], -(kv[0][1][1] or 128), kv[0][2])):
         q, m = mean_std([100 * g["summary"]["last"]["eval/avg@4"] for g in grp]), \
             mean_std([100 * g["masters"] for g in grp])
         start = statistics.fmean(100 * g["summary"]["first"]["eval/avg@4"] for g in grp)
         late = {k: statistics.fmean(late_mean(g["steps"], k) for g in grp) for k in PER_STEP}
-        rows.append({"regime": regime, "dose": "bf16" if arm == "bf16" else f"{bits}-bit", "arm": arm,
+        rows.append({"regime": regime, "dose": "bf16" if arm == "bf16" else label(*bits), "arm": arm,
                      "seeds": len(grp), "naive k3": "-" if arm == "bf16" else f"{naive_k3.get((regime, bits), 0):.2e}",
                      "naive ESS": "-" if arm == "bf16" else f"{naive_ess.get((regime, bits), 1):.3f}",
                      "start": f"{start:.1f}", "final (quantized)": f"{q[0]:.1f} ± {q[1]:.1f}",
@@ -196,7 +219,7 @@ def plot(rows: list[dict], results: list[dict], out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--bits", default="8,4,3,2")
+    ap.add_argument("--bits", default="8,4,3,2", help="doses: widths, each with an optional group size (3g32)")
     ap.add_argument("--regimes", default="on,off")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--seeds", type=int, default=1)
@@ -219,11 +242,11 @@ def main() -> None:
     from qarl_cli.results.tables import markdown
 
     if args.start_only:
-        rows = start_table([int(b) for b in args.bits.split(",")], args.runs_dir, args.start_only)
+        rows = start_table(doses(args.bits), args.runs_dir, args.start_only)
         print(markdown(list(rows[0]), [list(r.values()) for r in rows]))
         (args.runs_dir / "start" / "start.json").write_text(json.dumps(rows, indent=1) + "\n")
         return
-    todo = plan([int(b) for b in args.bits.split(",")], args.regimes.split(","), args.arms.split(","), args.seeds)
+    todo = plan(doses(args.bits), args.regimes.split(","), args.arms.split(","), args.seeds)
     if args.finished_only:
         todo = [run for run in todo if (args.runs_dir / name(run) / "eval_masters" / "eval.json").is_file()]
     cores = queue.Queue()
