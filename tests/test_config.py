@@ -170,3 +170,23 @@ def test_a_file_setting_on_generated_data_is_refused_not_ignored(capsys, args, k
     assert main(["train", *args, "--cfg", "job"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"qarl train: error: {key}: data=") and "data=file" in err[0], err
+
+
+@pytest.mark.parametrize("args, refused, line", [
+    (["data=file", "data.path={f}", "data.test_path={f}", "max_new_tokens=16"], ["data.test_size=5"],
+     "data.test_size=5: not used by this run (the test split is data.test_path's problems"),
+    (["eval_every=0"], ["eval_samples=2"], "eval_samples=2: not used by this run (eval_every=0 evaluates nothing"),
+    ([], ["sync.verify_tolerance=0.1"], "sync.verify_tolerance=0.1: not used by this run (sync.verify_every=0 "
+     "never verifies"),
+], ids=["test_size-with-test_path", "eval_samples-without-eval", "tolerance-without-verify"])
+def test_a_typed_value_the_run_would_not_use_is_refused(tmp_path, capsys, args, refused, line):
+    """Each key acts once the value that turns it off is changed (the same command with it is accepted)."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"question": "1+1?", "answer": "#### 2"}\n')
+    args = [a.format(f=f) for a in args]
+    assert main(["train", *args, *refused, "--cfg", "job"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"qarl train: error: {line}"), err
+    acting = {"data.test_size=5": ["data.test_path=null"], "eval_samples=2": ["eval_every=5"],
+              "sync.verify_tolerance=0.1": ["sync.verify_every=2"]}[refused[0]]
+    assert main(["train", *args, *refused, *acting, "--cfg", "job"]) == 0

@@ -13,8 +13,7 @@ import pytest
 from qarl_cli.config.model import TinyModelConfig
 
 QARL = [sys.executable, "-m", "qarl_cli.cli"]
-SMALL = ["prompts_per_step=16", "samples_per_prompt=4", "data.test_size=16", "eval_samples=2",
-         "reward.num_workers=1"]
+SMALL = ["prompts_per_step=16", "samples_per_prompt=4", "data.test_size=16", "reward.num_workers=1"]
 
 
 @pytest.fixture(scope="module")

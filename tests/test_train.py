@@ -18,12 +18,14 @@ import torch
 QARL = [sys.executable, "-m", "qarl_cli.cli", "train"]
 # The default warm-started tiny model (built once per cache): a random one never earns a reward, and then no
 # step updates anything.
-SMALL = ["prompts_per_step=16", "samples_per_prompt=4", "data.test_size=16", "eval_samples=2",
-         "reward.num_workers=1"]
+SMALL = ["prompts_per_step=16", "samples_per_prompt=4", "data.test_size=16", "reward.num_workers=1"]
+EVAL = ["eval_samples=2"]  # where the run evaluates (with eval_every=0 the setting is refused: it would not act)
 
 
 def _train(run_dir, *args, timeout=600):
-    out = subprocess.run([*QARL, *SMALL, f"hydra.run.dir={run_dir}", *args], capture_output=True, text=True,
+    evaluates = "eval_every=0" not in args
+    out = subprocess.run([*QARL, *SMALL, *(EVAL if evaluates else []), f"hydra.run.dir={run_dir}", *args],
+                         capture_output=True, text=True,
                          timeout=timeout, env=os.environ)
     assert out.returncode == 0, out.stderr[-3000:]
     return out
@@ -576,8 +578,9 @@ def _tagged(tag):
 _SIGINT_DEATH = "known intermittent defect: after the one-line report the process died of SIGINT (-2), not exit 130"
 
 
-# Runs `qarl train` with a SIGINT raised from inside the engine's code at the N-th call of one function: the signal
-# lands there deterministically, where a signal from outside lands wherever the process happens to be.
+# Runs `qarl train` with a SIGINT (or the signal named by QARL_TEST_SIGNAL) raised from inside qarl's or the engine's
+# code at the N-th call of one function: the signal lands there deterministically, where a signal from outside
+# lands wherever the process happens to be.
 _INTERRUPT_INSIDE = """
 import os, signal, sys
 import importlib
@@ -590,7 +593,7 @@ orig, calls = getattr(owner, path[-1]), [0]
 def interrupted(*a, **k):
     calls[0] += 1
     if calls[0] == at:
-        os.kill(os.getpid(), signal.SIGINT)  # handled at the next bytecode: inside this call
+        os.kill(os.getpid(), getattr(signal, os.environ.get("QARL_TEST_SIGNAL", "SIGINT")))  # handled inside this call
     return orig(*a, **k)
 setattr(owner, path[-1], interrupted)
 from qarl_cli.cli import main
@@ -620,6 +623,34 @@ def test_a_sigint_inside_the_sync_exits_130(tmp_path, where):
     assert stopped == [f"qarl train: error: interrupted at step 1 (during {stage}); checkpoint "
                        f"{run}/checkpoints/step_000001 written; resume with resume={run}"], proc.stderr[-2000:]
     assert state_latest(run) is not None
+
+
+def test_a_sigterm_inside_the_first_checkpoint_leads_to_overwrite_not_to_a_resume_loop(tmp_path):
+    """A real SIGTERM inside the first checkpoint's write (its model/ written, the tokenizer being copied): the run
+    says the checkpoint was not written and offers no resume (there is nothing to resume); the partial checkpoint
+    is gone; resume=true and a fresh run into the same directory each say, in one line, what will work."""
+    run = tmp_path / "run"
+    args = [*SMALL, "rollout=torch", "steps=3", "eval_every=0", "checkpoint_every=1"]
+    proc = subprocess.run([sys.executable, "-c", _INTERRUPT_INSIDE, "qarl_cli.quant.checkpoint", "copy_side_files",
+                           "1", "train", *args, f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONSAFEPATH": "1", "QARL_TEST_SIGNAL": "SIGTERM"})
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines == ["qarl train: error: terminated by SIGTERM at step 1 (during checkpoint); the checkpoint was "
+                     "not written; no earlier checkpoint exists"], proc.stderr[-3000:]
+    assert list((run / "checkpoints").iterdir()) == []  # the partial write was removed
+    again = subprocess.run([*QARL, *args, f"hydra.run.dir={run}", "resume=true"], capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2 and again.stderr.startswith(f"qarl train: error: resume='true': no checkpoint in")
+    fresh = subprocess.run([*QARL, *args, f"hydra.run.dir={run}"], capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 2 and fresh.stderr.strip().splitlines() == [
+        f"qarl train: error: hydra.run.dir='{run}' already holds a run that stopped before its first checkpoint "
+        "(metrics.jsonl, no checkpoint to resume): replace it with overwrite=true, or start this one in a new "
+        "directory"]
+    done = subprocess.run([*QARL, *args, f"hydra.run.dir={run}", "overwrite=true"], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert state_latest(run) == run / "checkpoints" / "step_000003"
 
 
 @pytest.mark.slow

@@ -128,6 +128,9 @@ def validate(cfg: DictConfig, command: str, allow_missing: bool = False, overrid
         from qarl_cli.config.engine_limits import check_engine_limits  # what vLLM and the model accept
 
         check_engine_limits(typed)
+        from qarl_cli.config.ignored import check_ignored  # a value typed where the run would not use it
+
+        check_ignored(typed, overrides)
     return typed
 
 
