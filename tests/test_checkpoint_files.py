@@ -72,6 +72,31 @@ def test_a_truncated_trainer_state_is_named_with_the_last_intact_checkpoint(tmp_
     assert find_resume(str(intact), run) == intact
 
 
+@pytest.mark.parametrize("cut_to", ["half", "header"])
+def test_truncated_weights_are_named_with_the_last_intact_checkpoint(tmp_path, cut_to):
+    """The same for the model's weights: a model.safetensors cut short (by half, or inside its header) is named,
+    with the checkpoint to resume instead; the untouched checkpoint's file passes the same check."""
+    from safetensors.torch import save_file
+
+    run = _run_dir(tmp_path / "run", [2, 4])
+    for step in (2, 4):
+        save_file({"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(8)},
+                  str(checkpoint_dir(run, step) / "model" / "model.safetensors"))
+    cut = checkpoint_dir(run, 4) / "model" / "model.safetensors"
+    full = cut.stat().st_size
+    with open(cut, "r+b") as f:
+        f.truncate(full // 2 if cut_to == "half" else 20)
+    with pytest.raises(ConfigError) as err:
+        find_resume("true", run)
+    intact = checkpoint_dir(run, 2)
+    message = str(err.value)
+    assert message.startswith(f"resume='true': {cut} is damaged or truncated (")
+    assert message.endswith(f"); the last intact checkpoint is {intact}: resume={intact}")
+    if cut_to == "half":  # the header is whole: the file is shorter than the tensors it lists
+        assert f"({full // 2} bytes where its header says {full})" in message
+    assert find_resume(str(intact), run) == intact
+
+
 def test_side_files_are_copied_and_weights_are_not(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()

@@ -183,25 +183,58 @@ def find_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     if found is None:
         raise ConfigError(f"resume={resume!r}: no checkpoint in {str(where)!r} (resume=true resumes the run "
                           "directory given by hydra.run.dir=...; or pass resume=<run or checkpoint directory>)")
-    if not intact(found):
-        older = [p for p in _complete(found.parent) if p.name < found.name and intact(p)]
+    bad = damaged(found)
+    if bad is not None:
+        older = [p for p in _complete(found.parent) if p.name < found.name and damaged(p) is None]
         then = (f"the last intact checkpoint is {older[-1]}: resume={older[-1]}" if older
                 else "no earlier intact checkpoint exists")
-        raise ConfigError(f"resume={resume!r}: {found / 'trainer.pt'} is damaged or truncated (not a complete torch "
-                          f"file); {then}")
+        raise ConfigError(f"resume={resume!r}: {bad}; {then}")
     return found
 
 
 def intact(ckpt: Path) -> bool:
-    """Whether trainer.pt is a complete torch file (a zip archive: a truncated one has no central directory at
-    its end). Reads the archive's directory only, not the tensors."""
+    return damaged(ckpt) is None
+
+
+def damaged(ckpt: Path) -> Optional[str]:
+    """What is damaged in a checkpoint, or None. trainer.pt must be a complete torch file (a zip archive: a
+    truncated one has no central directory at its end); each safetensors file of model/ must be as long as its
+    header says (8 bytes of header length, the JSON header, then the tensors up to the largest end offset). Reads
+    the archive's directory and the headers only, not the tensors."""
     import zipfile
 
     try:
         with zipfile.ZipFile(ckpt / "trainer.pt") as z:
-            return bool(z.namelist())
+            if not z.namelist():
+                raise zipfile.BadZipFile
     except (OSError, zipfile.BadZipFile):
-        return False
+        return f"{ckpt / 'trainer.pt'} is damaged or truncated (not a complete torch file)"
+    for weights in sorted((ckpt / "model").glob("*.safetensors")):
+        why = _safetensors_damage(weights)
+        if why:
+            return f"{weights} is damaged or truncated ({why})"
+    return None
+
+
+def _safetensors_damage(path: Path) -> Optional[str]:
+    import struct
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than its header"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                return f"its header says {n} bytes of header, the file has {size}"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return f"unreadable header: {type(e).__name__}"
+    ends = [t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+            and "data_offsets" in t]
+    want = 8 + n + max(ends, default=0)
+    return None if size == want else f"{size} bytes where its header says {want}"
 
 
 def _complete(root: Path) -> list[Path]:
