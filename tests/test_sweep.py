@@ -93,3 +93,24 @@ def test_a_sweep_value_that_cannot_run_is_refused_before_any_job(sweep_here, cap
     assert not (tmp_path / "multirun").exists()
     err = capsys.readouterr().err
     assert err.startswith(f"qarl train: error: resume='{missing}': no checkpoint") and len(err.splitlines()) == 1
+
+
+def test_a_sweep_into_a_directory_holding_one_is_refused_before_hydra_writes(sweep_here, capsys, tmp_path):
+    """The second launch into the same hydra.sweep.dir had Hydra rewrite multirun.yaml and every job's .hydra/
+    records, each job was then refused for holding a run, and the summary was rewritten: now refused in one
+    line with every byte of the first sweep kept. overwrite=true replaces its runs."""
+    from disk_snapshot import changes, snapshot
+
+    sweep = tmp_path / "mine"
+    args = ["train", "-m", "seed=0,1", *TINY, "steps=1", f"hydra.sweep.dir={sweep}"]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = snapshot(sweep)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qarl train: error: hydra.sweep.dir='{sweep}' already holds a sweep (multirun.yaml, "
+                   "summary.json, 0, 1): give this sweep a new directory (the default is a new one per launch), "
+                   "or replace its runs with overwrite=true"]
+    assert changes(before, snapshot(sweep)) == []
+    assert main([*args, "overwrite=true"]) == 0
+    assert json.loads((sweep / "summary.json").read_text())["groups"][0]["finished"] == 2

@@ -84,10 +84,29 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False, mu
             if check is not None and not allow_missing:
                 check(typed, run_dir)
         run_dir = Path(str(cfg.hydra.run.dir))
+        if multirun and not allow_missing:
+            _check_sweep_dir(Path(str(cfg.hydra.sweep.dir)), typed)
     GlobalHydra.instance().clear()
     if (run_dir / ".hydra" / "config.yaml").is_file():
         return f".hydra/{run_id()}"
     return None
+
+
+def _check_sweep_dir(sweep: Path, typed: Any) -> None:
+    """A sweep into a directory that holds one would have Hydra rewrite its multirun.yaml and each job's .hydra/
+    records, and the new summary replace the old, before any job is refused for holding a run: refused unless
+    overwrite=true (or a resume) says the existing runs are meant."""
+    found = [n for n in ("multirun.yaml", "summary.json") if (sweep / n).is_file()]
+    if sweep.is_dir():
+        from qarl_cli.train.rundir import holds_run
+
+        found += sorted((p.name for p in sweep.iterdir() if p.is_dir() and holds_run(p)), key=lambda n: (len(n), n))
+    if not found or getattr(typed, "overwrite", False) or getattr(typed, "resume", None):
+        return
+    shown = ", ".join(found[:6]) + (f" and {len(found) - 6} more" if len(found) > 6 else "")
+    replace = ", or replace its runs with overwrite=true" if hasattr(typed, "overwrite") else ""
+    raise ConfigError(f"hydra.sweep.dir={str(sweep)!r} already holds a sweep ({shown}): give this sweep a new "
+                      f"directory (the default is a new one per launch){replace}")
 
 
 def _check_option(group: str, value: Any) -> None:
