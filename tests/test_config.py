@@ -133,6 +133,9 @@ def test_experiment_sets_the_paper_setting(hydra_ctx):
     (["+rollout.bogus=2"], ["+rollout.bogus=2: 'rollout.bogus' is not a setting of rollout=vllm"]),
     (["+train_threadz=2"], ["'train_threadz' is not a setting of qarl train (did you mean train_threads?)"]),
     (["rollout=vllm_server", "++base_port=9000"], ["'base_port'", "did you mean rollout.base_port?"]),
+    # the same key misspelt without + (Hydra's "Key 'lrr' not in 'TrainConfig'" named no key to use)
+    (["lrr=1"], ["lrr=1: 'lrr' is not a setting of qarl train (did you mean lr?)"]),
+    (["data.levls=[1]"], ["data.levls=[1]: 'data.levls' is not a setting of data=arith (did you mean data.levels?)"]),
 ])
 def test_bad_input_fails_in_one_line(capsys, args, names):
     cfg_job = [] if "steps=1" in args else ["--cfg", "job"]

@@ -51,7 +51,7 @@ def test_plot_draws_several_runs_and_a_sweeps_jobs_into_one_figure(tmp_path, cap
 
 def test_plot_refuses_what_is_not_a_run_in_one_line(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    cases = [([str(tmp_path / "missing")], "does not exist"),
+    cases = [([str(tmp_path / "missing")], f"qarl plot: {tmp_path / 'missing'} does not exist"),  # not --out's
              ([str(tmp_path / "empty")], "is not a qarl run or sweep directory (no metrics.jsonl"),
              ([str(_write(tmp_path / "run", ROWS)), "--out", str(tmp_path / "x.txt")], "a figure file is expected")]
     for args, message in cases:

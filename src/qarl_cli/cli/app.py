@@ -77,7 +77,7 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False, mu
             try:
                 cfg = compose(config_name=command, overrides=variant, return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as e:
-                raise ConfigError(_compose_error(e)) from None
+                raise ConfigError(_compose_error(e, command, variant)) from None
             typed = validate(cfg, command, allow_missing, variant)
             run_dir = Path(str(cfg.hydra.sweep.dir if multirun else cfg.hydra.run.dir))
             check = getattr(importlib.import_module(f"qarl_cli.commands.{command}"), "check_paths", None)
@@ -90,6 +90,18 @@ def precheck(command: str, overrides: list[str], allow_missing: bool = False, mu
     if (run_dir / ".hydra" / "config.yaml").is_file():
         return f".hydra/{run_id()}"
     return None
+
+
+def _without(command: str, variant: list[str], key: str) -> Any:
+    """The config composed without the override(s) of `key` (None if it does not compose either)."""
+    from hydra import compose
+
+    from qarl_cli.config.declared import _key_of
+
+    try:
+        return compose(config_name=command, overrides=[v for v in variant if _key_of(v) != key])
+    except Exception:  # noqa: BLE001 - only a better message is lost: the caller says what it can
+        return None
 
 
 def _check_sweep_dir(sweep: Path, typed: Any) -> None:
@@ -115,8 +127,15 @@ def _check_option(group: str, value: Any) -> None:
         raise ConfigError(f"{group}={value!r} is not an option of '{group}'; choose from: {', '.join(allowed)}")
 
 
-def _compose_error(err: BaseException) -> str:
+def _compose_error(err: BaseException, command: str = "", variant: list[str] = ()) -> str:
     cause = err.__cause__ or err.__context__
+    key = getattr(cause, "full_key", None)
+    if command and key and str(cause).startswith("Key ") and " not in " in str(cause):
+        known = _without(command, variant, key)  # a misspelt existing key: name the closest one, as for +key=
+        if known is not None:
+            from qarl_cli.config.declared import not_a_setting
+
+            return not_a_setting(known, key, command, variant)
     if cause is not None and "full_key" in str(cause):
         return one_line(cause)
     return one_line(err)

@@ -19,14 +19,19 @@ def check_declared(cfg: DictConfig, command: str, overrides: Sequence[str] = ())
     """ConfigError naming the first key no schema declares (and the override that added it, if one did), with
     the closest declared key suggested."""
     key = next(_undeclared(cfg, ""), None)
-    if key is None:
-        return
+    if key is not None:
+        raise ConfigError(not_a_setting(cfg, key, command, overrides))
+
+
+def not_a_setting(cfg: DictConfig, key: str, command: str, overrides: Sequence[str] = ()) -> str:
+    """The one line for a key no schema of `cfg` declares: the override that named it, whose setting it is not,
+    and the closest declared key (a misspelt `lrr=1` as well as `+lrr=1`)."""
     group, nested, _ = key.partition(".")
-    owner = f"{group}={cfg[group].name}" if nested and "name" in cfg[group] else f"qarl {command}"
+    owner = f"{group}={cfg[group].name}" if nested and group in cfg and "name" in cfg[group] else f"qarl {command}"
     close = _closest(key, list(_keys(cfg, "")))
     hint = f" (did you mean {close[0]}?)" if close else f" (qarl {command} --cfg job lists every setting)"
     given = next((f"{ov}: " for ov in overrides if _key_of(ov) == key or _key_of(ov).startswith(f"{key}.")), "")
-    raise ConfigError(f"{given}{key!r} is not a setting of {owner}{hint}")
+    return f"{given}{key!r} is not a setting of {owner}{hint}"
 
 
 def _undeclared(node: DictConfig, prefix: str) -> Iterator[str]:

@@ -41,6 +41,9 @@ def plot(dirs: list[Path], out: Path | None) -> int:
     from qarl_cli.results import plot as curves
     from qarl_cli.results.runs import expand, read
 
+    for d in dirs:  # the runs first: a missing run is what the user mistyped, not the figure's default place
+        if not d.is_dir():
+            raise NotARun(f"{d} does not exist or is not a directory")
     out = out or (dirs[0] / curves.CURVES if len(dirs) == 1 else Path(curves.CURVES))
     if out.suffix.lower() not in FORMATS:
         raise NotARun(f"--out {out}: a figure file is expected ({', '.join(FORMATS)})")
