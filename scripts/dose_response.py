@@ -7,6 +7,8 @@ torch engine for every dose, so only the width changes), with the group size as 
     bf16        unquantized rollout and learner (once per regime)     quant=none forward=bf16 algorithm=gspo
     naive       quantized rollout, bf16 learner                        quant=wna16 forward=bf16 algorithm=gspo
     naive+tis   the same with token-level truncated IS (C = 2)         ... algorithm.mismatch=tis
+    naive+tbpo  TBPO with the bf16 learner (separates the objective     ... algorithm=tbpo
+                from the alignment: qarl differs from naive in both)
     qarl        quantized rollout, rollout-aligned learner, TBPO       quant=wna16 forward=aligned algorithm=tbpo
 
 train on +experiment=tiny_sum (running sums, 170-300-token worked solutions, where a wrong token early derails
@@ -46,6 +48,7 @@ ARMS = {
     "bf16": ["quant=none", "forward=bf16", "algorithm=gspo"],
     "naive": ["forward=bf16", "algorithm=gspo"],
     "naive+tis": ["forward=bf16", "algorithm=gspo", "algorithm.mismatch=tis"],
+    "naive+tbpo": ["forward=bf16", "algorithm=tbpo"],
     "qarl": ["forward=aligned", "algorithm=tbpo"],
 }
 REGIMES = {"on": [], "off": ["minibatches=4"]}  # the same lr per update: four per batch move pi_old's policy further
@@ -183,7 +186,7 @@ def plot(rows: list[dict], results: list[dict], out: Path) -> None:
     for col, regime in enumerate(regimes):
         ax = axes[0][col]
         bf16 = [r for r in rows if r["regime"] == regime and r["arm"] == "bf16"]
-        for arm in ("naive", "naive+tis", "qarl"):
+        for arm in ("naive", "naive+tis", "naive+tbpo", "qarl"):
             pts = sorted((float(r["naive k3"]), *map(float, r["final (quantized)"].split(" ± ")))
                          for r in rows if r["regime"] == regime and r["arm"] == arm and r["naive k3"] != "-")
             if pts:

@@ -68,7 +68,7 @@ COLLAPSE_POINTS = 5.0
 LOG_FLOOR = 1e-16  # where a log-scale curve draws an exact 0
 COLORS = {"bf16": "tab:green", "naive": "tab:red", "naive+tis": "tab:orange", "qarl": "tab:blue",
           "qarl-4-minibatches": "tab:purple", "qarl-old": "tab:pink", "qarl-keep-mask": "tab:cyan", "aligned+gspo": "tab:brown", "aligned+grpo-dualclip": "tab:gray",
-          "qarl-positive-only": "tab:olive"}
+          "qarl-positive-only": "tab:olive", "naive+tbpo": "black"}
 
 
 def runs(settings: list[str], schemes: list[str], seeds: int, ablation_schemes: list[str] | None = None,
