@@ -37,7 +37,7 @@ train: setup
 # worker's. TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=40  # the slowest close the report
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40  # the slowest close the report
 
 clean:
 	rm -rf $(VENV) .cache outputs multirun

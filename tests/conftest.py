@@ -1,7 +1,9 @@
 """Shared fixtures. Tests never touch the network; built models go to QARL_CACHE_DIR (the Makefile points it
 into the checkout, so a clean clone builds from scratch)."""
 
+import json
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -16,8 +18,19 @@ import pytest  # noqa: E402
 collect_ignore = [] if os.environ.get("QARL_TRITON_ALONE") == "1" else ["test_quant_triton.py"]
 
 
+def _heaviest_files_first(items) -> None:
+    """Two xdist workers take whole files (`--dist loadfile`), the next one whenever they are nearly done. In
+    xdist's own order (most tests first) the few files that start vLLM servers or torchrun come last, and one
+    worker runs them alone while the other idles: order the files by their measured seconds instead
+    (tests/file_seconds.json, written by scripts/test_durations.py; a file not listed goes last). A stable sort,
+    so each file's tests keep their order."""
+    seconds = json.loads((Path(__file__).parent / "file_seconds.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests need CUDA: skipped here, run by scripts/gpu_check.sh on a machine that has one."""
+    _heaviest_files_first(items)
     try:
         import torch
 
