@@ -5,7 +5,7 @@ sizes, sha256: tests/disk_snapshot.py; Hydra's new outputs/ directories are not 
 
     .venv/bin/python scripts/break_it.py [--out docs/break_it.json] [--only 1,5,12]
 
-About 50 commands, most refused at compose time in seconds: a few minutes on 2 CPU cores."""
+About 60 commands, most refused at compose time in seconds: a few minutes on 2 CPU cores."""
 
 from __future__ import annotations
 
@@ -74,6 +74,13 @@ def workspace(w: Path) -> dict[str, Path]:
     weights = w / "CUTMODEL" / "model.safetensors"
     with open(weights, "r+b") as f:
         f.truncate(weights.stat().st_size // 2)
+    shutil.copytree(run, w / "RUN_CUTW")  # a checkpoint whose model.safetensors lost its end
+    cutw = w / "RUN_CUTW" / "checkpoints" / "step_000002" / "model" / "model.safetensors"
+    with open(cutw, "r+b") as f:
+        f.truncate(cutw.stat().st_size - 1000)
+    (w / "SWEEP" / "0").mkdir(parents=True)  # an earlier sweep's directory
+    (w / "SWEEP" / "multirun.yaml").write_text("hydra: {}\n")
+    (w / "SWEEP" / "0" / "metrics.jsonl").write_text('{"step": 1}\n')
     return {"m": m, "run": run, "ckpt": ckpt}
 
 
@@ -150,6 +157,16 @@ def cases(w: Path, p: dict[str, Path]) -> list[tuple[str, list[str], bool]]:
         ("plot a directory that is not there", ["plot", str(w / "nope")], True),
         ("a sweep with one bad value", ["train", "-m", "lr=1e-3,-1"], True),
         ("a misspelt command", ["trian"], True),
+        ("train a misspelt setting without +", ["train", "lrr=1"], True),
+        ("train eval_samples where eval_every=0", ["train", "eval_every=0", "eval_samples=2"], True),
+        ("train data.test_size beside data.test_path", ["train", *hf, "data=file", f"data.path={w / 'good.jsonl'}",
+                                                        f"data.test_path={w / 'good.jsonl'}", "data.test_size=5",
+                                                        *CHEAP], True),
+        ("train sync.verify_tolerance where verify_every=0", ["train", "sync.verify_every=0",
+                                                               "sync.verify_tolerance=0.1"], True),
+        ("train resume a truncated model.safetensors", ["train", *hf, f"resume={w / 'RUN_CUTW'}", *CHEAP], True),
+        ("a sweep into a directory holding one", ["train", "-m", f"hydra.sweep.dir={w / 'SWEEP'}", *hf, *CHEAP,
+                                                  "lr=1e-3,2e-3"], True),
         ("quantize into a new directory (works)", ["quantize", *hf, "quant=int8", f"out={w / 'int8'}"], False),
         ("train one cheap step (works)", ["train", *hf, f"hydra.run.dir={w / 'NEW'}", *CHEAP], False),
     ]
