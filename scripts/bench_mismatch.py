@@ -72,7 +72,8 @@ def trainer_logprobs(model, seqs):
     from qarl_cli.update.objectives import sequence_ratio_loss
     from qarl_cli.update.learner import Learner
 
-    return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs)
+    # 16 rows per forward: a real vocabulary's fp32 logits for a whole batch (128 x 180 x 49k) fill the memory
+    return Learner(model, TrainConfig(), sequence_ratio_loss, torch.device(device())).old_logprobs(seqs, chunk=16)
 
 
 def preset(name: str) -> tuple[object, float | None]:
