@@ -26,7 +26,9 @@ the ESS of whole-sequence weights), gradient norm, response length, entropy and 
 
 Writes docs/dose_response.md (the table), .json (every run) and .png (final accuracy of each arm against
 naive's mismatch, per regime). A finished run is read back, not trained again: the study can be grown over
-several invocations (more doses, then more seeds)."""
+several invocations (more doses, then more seeds). So is a run the out-dir's JSON already records (its run
+directory gone, or made on another machine): the committed study is the record, and a run directory, where it
+exists, takes its place."""
 
 from __future__ import annotations
 
@@ -108,6 +110,18 @@ def master_eval(run_dir: Path, core: int | None) -> float:
                        env={**os.environ, **({"OMP_NUM_THREADS": "1"} if core is not None else {})},
                        preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))
     return json.loads((out / "eval.json").read_text())["metrics"]["eval/avg@4"]
+
+
+def recorded_runs(path: Path) -> dict[str, dict]:
+    """The runs an earlier invocation wrote into the study's JSON, by run name, in the shape `do` returns."""
+    if not path.is_file():
+        return {}
+    out = {}
+    for r in json.loads(path.read_text())["runs"]:
+        r = {"group": None, **r}
+        r["summary"] = {"first": r.pop("first"), "last": r.pop("last")}
+        out[name(r)] = r
+    return out
 
 
 def start_table(dose_list: list[tuple[int, int | None]], runs_dir: Path, limit: int) -> list[dict]:
@@ -250,8 +264,13 @@ def main() -> None:
         (args.runs_dir / "start" / "start.json").write_text(json.dumps(rows, indent=1) + "\n")
         return
     todo = plan(doses(args.bits), args.regimes.split(","), args.arms.split(","), args.seeds)
+    recorded = recorded_runs(args.out_dir / "dose_response.json")
+
+    def finished(run: dict) -> bool:
+        return (args.runs_dir / name(run) / "eval_masters" / "eval.json").is_file()
+
     if args.finished_only:
-        todo = [run for run in todo if (args.runs_dir / name(run) / "eval_masters" / "eval.json").is_file()]
+        todo = [run for run in todo if finished(run) or name(run) in recorded]
     cores = queue.Queue()
     for c in sorted(os.sched_getaffinity(0))[:args.jobs] if args.jobs > 1 else [None]:
         cores.put(c)
@@ -262,6 +281,9 @@ def main() -> None:
         task = bar.add_task(f"{len(todo)} runs", total=len(todo))
 
         def do(run: dict) -> dict:
+            if not finished(run) and name(run) in recorded:
+                bar.advance(task)
+                return recorded[name(run)]
             core = cores.get()
             try:
                 r = one_run(args.runs_dir / name(run), overrides(run) + args.extra, flags, core)
@@ -284,8 +306,10 @@ def main() -> None:
     plot(rows, results, args.out_dir / "dose_response.png")
     text = markdown(list(rows[0]), [list(map(str, r.values())) for r in rows])
     minutes = (time.perf_counter() - start) / 60
-    scale = (f"{len(results)} runs, seeds {sorted({r['seed'] for r in results})}, {sum(r['wall_s'] for r in results) / 60:.0f} "
-             f"run-minutes ({minutes:.0f} minutes for this invocation, {args.jobs} at once)")
+    reread = sum(1 for run in todo if not finished(run) and name(run) in recorded)
+    scale = (f"{len(results)} runs ({reread} read back from the JSON of an earlier invocation), seeds "
+             f"{sorted({r['seed'] for r in results})}, {sum(r['wall_s'] for r in results) / 60:.0f} run-minutes "
+             f"({minutes:.0f} minutes for this invocation, {args.jobs} at once)")
     start_file = args.runs_dir / "start" / "start.json"
     start = json.loads(start_file.read_text()) if start_file.is_file() else []
     start_md = ("\n## Before training: the start model through each dose\n\n`--start-only N` (`qarl eval` of "
