@@ -255,6 +255,7 @@ def main() -> None:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from qarl_cli.machine.capabilities import cpu_kind
     from qarl_cli.results import runs as run_records
     from qarl_cli.results.tables import markdown
 
@@ -297,7 +298,7 @@ def main() -> None:
             run_steps = step_rows(run_records.read(args.runs_dir / name(run)).rows)
             return {**run, "summary": r["summary"], "steps": [{k: s.get(k) for k in ("step", *PER_STEP)
                                                               if k in s} for s in run_steps],
-                    "masters": masters, "wall_s": r["wall_s"]}
+                    "masters": masters, "wall_s": r["wall_s"], "cpu": cpu_kind()}  # paired seeds share a CPU
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             results = list(pool.map(do, todo))
