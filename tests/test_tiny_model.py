@@ -106,13 +106,16 @@ def _greedy_exact_match(path: Path, problems) -> float:
     for p in problems:
         ids = tok.apply_chat_template([{"role": "user", "content": p.prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
-        with torch.no_grad():
+        out_ids = []
+        with torch.no_grad():  # transformers' own KV cache: one token per forward after the prompt
+            out = model(input_ids=ids, use_cache=True)
             for _ in range(ArithDataConfig.max_new_tokens):
-                nxt = model(input_ids=ids).logits[0, -1].argmax()
+                nxt = out.logits[0, -1].argmax()
                 if nxt.item() == tok.eos_token_id:
                     break
-                ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-        text = tok.decode(ids[0], skip_special_tokens=False).rsplit("assistant\n", 1)[1]
+                out_ids.append(nxt.item())
+                out = model(input_ids=nxt.view(1, 1), past_key_values=out.past_key_values, use_cache=True)
+        text = tok.decode(ids[0].tolist() + out_ids, skip_special_tokens=False).rsplit("assistant\n", 1)[1]
         hits += text == f"\\boxed{{{p.answer}}}"
     return hits / len(problems)
 
