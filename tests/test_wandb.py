@@ -100,20 +100,34 @@ def test_an_offline_run_holds_the_config_every_metric_and_the_samples(tmp_path):
     assert len(table["data"]) == 8 and table["columns"] == ["prompt", "answer", "completion", "reward"]
 
 
-def test_the_config_wandb_gets_has_the_key_redacted(tmp_path):
-    """A run with a server key: wandb's config records that a key was set, and the key is nowhere in its files."""
-    from qarl_cli.config.root import TrainConfig
-    from qarl_cli.config.stages import VLLMServerRolloutConfig, WandbLoggerConfig
-    from qarl_cli.train.loggers import WandbLogger
-    from qarl_cli.train.rundir import config_dict
+REDACTED_RUN = """
+import dataclasses, sys
+from pathlib import Path
+from qarl_cli.config.root import TrainConfig
+from qarl_cli.config.stages import VLLMServerRolloutConfig, WandbLoggerConfig
+from qarl_cli.train.loggers import WandbLogger
+from qarl_cli.train.rundir import config_dict
 
+cfg = dataclasses.replace(TrainConfig(), rollout=VLLMServerRolloutConfig(api_key=sys.stdin.read()))  # not argv: wandb records argv
+logger = WandbLogger(WandbLoggerConfig(log_samples=0), Path(sys.argv[1]), config_dict(cfg))
+logger.log(1, {"reward/mean": 0.5})
+logger.close()
+"""
+
+
+def test_the_config_wandb_gets_has_the_key_redacted(tmp_path):
+    """A run with a server key: wandb's config records that a key was set, and the key is nowhere in its files.
+    The logger runs in a process of its own, as in a run: wandb keeps process-wide state (its service, its
+    settings from WANDB_* variables), and an offline run file read in a long-lived test worker once lacked
+    its config."""
     key = "k3y-" + os.urandom(8).hex()
-    cfg = dataclasses.replace(TrainConfig(), rollout=VLLMServerRolloutConfig(api_key=key))
-    logger = WandbLogger(WandbLoggerConfig(log_samples=0), tmp_path, config_dict(cfg))
-    logger.log(1, {"reward/mean": 0.5})
-    logger.close()
+    out = subprocess.run([sys.executable, "-c", REDACTED_RUN, str(tmp_path)], input=key, capture_output=True, text=True,
+                         timeout=300, env={k: v for k, v in os.environ.items() if not k.startswith("WANDB_")})
+    assert out.returncode == 0, out.stderr[-3000:]
     records = wandb_records(_run_file(tmp_path))
     config = _config(records)
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert "rollout" in config, (kinds, sorted(config))
     assert config["rollout"]["api_key"] == "<set>" and config["rollout"]["name"] == "vllm_server"
     for f in (tmp_path / "wandb").rglob("*"):
         assert not f.is_file() or key.encode() not in f.read_bytes(), f
