@@ -3,6 +3,7 @@ into the checkout, so a clean clone builds from scratch)."""
 
 import json
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -10,27 +11,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def _cores_of_this_worker() -> tuple[set[int], set[int]]:
-    """(all the cores this process may use, the share of this xdist worker). Each of N workers is pinned to its
-    own 1/N of the cores, with as many OpenMP threads, before torch starts its thread pool: two workers whose
-    torch (and vLLM) thread pools each span both of 2 cores fight over them, and one test then took 90 s where it
-    takes 17 s alone and 30 s beside the other worker on a core of its own. The pin is the process's CPU
-    affinity, which its subprocesses inherit and which qarl itself reads (vLLM servers bind their OpenMP threads
-    inside it, as they would under a user's `taskset`)."""
-    cores = set(os.sched_getaffinity(0))
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+def _threads_per_worker() -> None:
+    """Each of N xdist workers gets 1/N of the cores as OpenMP threads (torch's intra-op pool, inherited by the
+    processes a test starts), set before torch starts its pool. Two workers whose pools each span both of 2
+    cores fight over them: one test took 90 s beside the other worker where it takes 17 s alone and 30 s with
+    one thread each. The workers are not pinned to cores: a test that starts servers or torchrun ranks spreads
+    them over the machine as a user's run would (pinned, the two-node test took 210 s instead of 95)."""
     n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if not worker.startswith("gw") or n < 2 or len(cores) < n:
-        return cores, cores
-    per = len(cores) // n
-    i = int(worker[2:]) % n
-    return cores, set(sorted(cores)[i * per:(i + 1) * per])
+    if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and n > 1:
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
+        if "torch" in sys.modules:  # a plugin imported it first: its pool is already sized
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
-ALL_CORES, WORKER_CORES = _cores_of_this_worker()
-if WORKER_CORES != ALL_CORES:
-    os.sched_setaffinity(0, WORKER_CORES)
-    os.environ["OMP_NUM_THREADS"] = str(len(WORKER_CORES))
+_threads_per_worker()
 
 import pytest  # noqa: E402
 
@@ -66,24 +60,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _all_cores_where_marked(request):
-    """A module marked `all_cores` (`pytestmark`: two vLLM servers need a core each) runs with every core of the
-    machine, as a user's run would; the other worker's share is then shared with it. Module-scoped, so that the
-    module's engines start inside it."""
-    if WORKER_CORES == ALL_CORES or request.node.get_closest_marker("all_cores") is None:
-        yield
-        return
-    threads = os.environ["OMP_NUM_THREADS"]
-    os.sched_setaffinity(0, ALL_CORES)
-    os.environ["OMP_NUM_THREADS"] = str(len(ALL_CORES))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, WORKER_CORES)
-        os.environ["OMP_NUM_THREADS"] = threads
 
 
 @pytest.fixture(scope="module")

