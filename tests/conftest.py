@@ -3,28 +3,12 @@ into the checkout, so a clean clone builds from scratch)."""
 
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-
-def _threads_per_worker() -> None:
-    """Each of N xdist workers gets 1/N of the cores as OpenMP threads (torch's intra-op pool, inherited by the
-    processes a test starts), set before torch starts its pool. Two workers whose pools each span both of 2
-    cores fight over them: one test took 90 s beside the other worker where it takes 17 s alone and 30 s with
-    one thread each. The workers are not pinned to cores: a test that starts servers or torchrun ranks spreads
-    them over the machine as a user's run would (pinned, the two-node test took 210 s instead of 95)."""
-    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw") and n > 1:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // n))
-        if "torch" in sys.modules:  # a plugin imported it first: its pool is already sized
-            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-
-_threads_per_worker()
 
 import pytest  # noqa: E402
 
