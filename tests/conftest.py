@@ -9,7 +9,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-
 import pytest  # noqa: E402
 
 # Without a GPU, the Triton kernels run under Triton's interpreter, which must be set up before the kernels are

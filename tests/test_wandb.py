@@ -6,7 +6,6 @@ An offline run keeps its records in `run-ID.wandb`, wandb's append-only log (Lev
 blocks of records, each a 7-byte header, CRC32C + length + type, then a piece of one protobuf `Record`); `wandb
 sync` uploads that file later. The reader below follows that format; the Records are wandb's protobuf."""
 
-import dataclasses
 import json
 import os
 import struct
