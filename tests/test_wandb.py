@@ -107,7 +107,8 @@ from qarl_cli.config.stages import VLLMServerRolloutConfig, WandbLoggerConfig
 from qarl_cli.train.loggers import WandbLogger
 from qarl_cli.train.rundir import config_dict
 
-cfg = dataclasses.replace(TrainConfig(), rollout=VLLMServerRolloutConfig(api_key=sys.stdin.read()))  # not argv: wandb records argv
+# the key comes on stdin, not in argv: wandb records argv
+cfg = dataclasses.replace(TrainConfig(), rollout=VLLMServerRolloutConfig(api_key=sys.stdin.read()))
 logger = WandbLogger(WandbLoggerConfig(log_samples=0), Path(sys.argv[1]), config_dict(cfg))
 logger.log(1, {"reward/mean": 0.5})
 logger.close()
