@@ -208,14 +208,24 @@ def test_w4a16_scale_is_rounded_to_the_scale_dtype_first_whatever_the_weights_dt
     assert torch.equal(scheme.dequantize(stored, torch.float32), q * s)
 
 
-@pytest.mark.parametrize("served", ["float16", ""], ids=["vllm-serves-w4a16", "no-vllm-w4a16"])
-def test_w4a16_default_scale_dtype_is_the_engines(monkeypatch, served):
-    """Both branches on every CPU (the probe's answer forced): the dtype vLLM's W4A16 kernel runs in here, else
-    bf16; a GPU engine holds scales in the presets' bf16."""
+_EPYC = "avx2 fma f16c avx512f avx512_vnni avx512_bf16"  # AVX-512: vLLM's library there has the W4A16 GEMM
+
+
+@pytest.mark.parametrize("flags, served, expected", [
+    (_EPYC, "float16", torch.float16),  # vLLM ran its W4A16 GEMM in fp16 only
+    (_EPYC, "bfloat16,float16", torch.bfloat16),  # both: bf16, native on this kind
+    (_EPYC, "", torch.bfloat16),  # in neither: no engine to follow
+    ("avx2 fma f16c", "float16", torch.bfloat16),  # AVX2's library has no W4A16 GEMM: the probe is not asked
+], ids=["serves-fp16", "serves-both", "serves-none", "avx2-library"])
+def test_w4a16_default_scale_dtype_is_the_engines(monkeypatch, flags, served, expected):
+    """Every branch on every CPU (the CPU's flags and the probe's answer forced): the dtype vLLM's W4A16 kernel
+    runs in here, else bf16; a GPU engine holds scales in the presets' bf16."""
+    from qarl_cli.machine.capabilities import FLAGS_ENV
     from qarl_cli.machine.capabilities_probe import DTYPES_ENV
 
+    monkeypatch.setenv(FLAGS_ENV, flags)
     monkeypatch.setenv(DTYPES_ENV, served)
-    assert W4A16Scheme(W4A16Config(), "cpu").scale_dtype() == (torch.float16 if served else torch.bfloat16)
+    assert W4A16Scheme(W4A16Config(), "cpu").scale_dtype() == expected
     assert W4A16Scheme(W4A16Config(), "cuda").scale_dtype() == torch.bfloat16
     assert W4A16Scheme(W4A16Config(scale_dtype="float32"), "cpu").scale_dtype() == torch.float32
 
