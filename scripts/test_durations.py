@@ -6,6 +6,10 @@ file when it has two tests or fewer left) for two orders of the files: xdist's d
 the most seconds first, which tests/conftest.py applies from the JSON this writes.
 
     .venv/bin/python scripts/test_durations.py J.xml [--workers 2] [--top 40] [--write tests/file_seconds.json]
+        [--before J0.xml]
+
+With --before, the tables gain that run's seconds beside this one's (the slowest of either run, each file), and
+--json writes both to a file.
 """
 
 from __future__ import annotations
@@ -49,8 +53,13 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--write", type=Path, help="the per-file seconds, for tests/conftest.py's order")
+    ap.add_argument("--before", nargs="+", help="the junit XML of an earlier run, compared test by test")
+    ap.add_argument("--json", type=Path, help="write the slowest tests and the files' seconds (both runs) here")
     args = ap.parse_args()
     cases = read(args.junit)
+    if args.before:
+        compare(read(args.before), cases, args.top, args.json)
+        return
     per_file: dict[str, list[float]] = defaultdict(list)
     for file, _, s in cases:
         per_file[file].append(s)
@@ -74,6 +83,31 @@ def main() -> None:
     if args.write:
         args.write.write_text(json.dumps({f: round(sum(t), 1) for f, t in by_seconds}, indent=1) + "\n")
         print(f"\nwrote {args.write}")
+
+
+def compare(before: list[tuple[str, str, float]], after: list[tuple[str, str, float]], top: int,
+            out: Path | None) -> None:
+    """The slowest `top` tests of either run, and every file, with both runs' seconds."""
+    b, a = ({name: s for _, name, s in run} for run in (before, after))
+    fb, fa = defaultdict(float), defaultdict(float)
+    for run, acc in ((before, fb), (after, fa)):
+        for file, _, s in run:
+            acc[file] += s
+    print(f"before: {len(b)} tests, {sum(b.values()):.0f} s in all; after: {len(a)} tests, {sum(a.values()):.0f} s\n")
+    slow = sorted(set(b) | set(a), key=lambda n: -max(b.get(n, 0.0), a.get(n, 0.0)))[:top]
+    print(f"| slowest {top} of either run | before s | after s |\n|---|---|---|")
+    for n in slow:
+        print(f"| {n} | {b.get(n, float('nan')):.1f} | {a.get(n, float('nan')):.1f} |")
+    print("\n| file | before s | after s |\n|---|---|---|")
+    for f in sorted(set(fb) | set(fa), key=lambda f: -max(fb.get(f, 0.0), fa.get(f, 0.0))):
+        print(f"| {f} | {fb.get(f, 0.0):.1f} | {fa.get(f, 0.0):.1f} |")
+    if out:
+        files = {f: {"before_s": round(fb.get(f, 0.0), 1), "after_s": round(fa.get(f, 0.0), 1)}
+                 for f in sorted(fb.keys() | fa.keys())}
+        out.write_text(json.dumps({"total_s": {"before": round(sum(b.values()), 1), "after": round(sum(a.values()), 1)},
+                                   "slowest": [{"test": n, "before_s": b.get(n), "after_s": a.get(n)} for n in slow],
+                                   "files": files}, indent=1) + "\n")
+        print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
