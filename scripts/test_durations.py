@@ -26,7 +26,9 @@ def read(paths: list[str]) -> list[tuple[str, str, float]]:
     out = []
     for p in paths:
         for case in ET.parse(p).getroot().iter("testcase"):
-            file = case.get("classname", "").split(".")[-1] + ".py"
+            # classname is "tests.test_x" or, for a test in a class, "tests.test_x.TestY": the module's part
+            parts = case.get("classname", "").split(".")
+            file = next((p for p in reversed(parts) if p.startswith("test_")), parts[-1]) + ".py"
             out.append((file, f"{file}::{case.get('name')}", float(case.get("time", 0))))
     return out
 
