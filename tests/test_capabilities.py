@@ -43,7 +43,11 @@ def test_the_rules_are_vllms_own_kernel_selection(monkeypatch, amx):
     monkeypatch.setattr(ops, "cpu_has_amx_fp8", lambda: False)
     monkeypatch.setenv(DTYPES_ENV, "float16")
     amx_flags = {"amx_tile", "amx_int8", "amx_bf16"}
-    flags = cpu_flags() | amx_flags if amx else cpu_flags() - amx_flags
+    # the rules asked with the flags vLLM's own choices read: torch.cpu's answers (which the AVX2 emulation patches
+    # and QARL_CPU_FLAGS does not; forcing qarl's answers to AMX on an AVX2 CPU leaves vLLM on its AVX2 library)
+    seen = {"avx2"} | {flag for flag, has in (("avx512f", torch.cpu._is_avx512_supported()),
+                                              ("avx512_bf16", torch.cpu._is_avx512_bf16_supported())) if has}
+    flags = frozenset(seen | amx_flags if amx else seen)
     serves = lambda scheme, moe: vllm_serving(scheme, moe=moe, gpu=False, flags=flags).served  # noqa: E731
 
     assert scaled_mm.CPUInt8ScaledMMLinearKernel.is_supported()[0] and serves("int8", False)
