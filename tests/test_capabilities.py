@@ -2,6 +2,7 @@
 reported present and absent (so on any CPU both branches are compared with the code that decides), the answers
 per CPU kind, and what a user gets for a scheme vLLM cannot serve: one line before anything loads."""
 
+import json
 import os
 import re
 import signal
@@ -154,7 +155,7 @@ def test_gpu_wna16_kernels_serve_four_and_eight_bits_only():
 
 def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(monkeypatch, tmp_path):
     """The probe really starts vLLM (a child per dtype): float16 runs W4A16 on every CPU kind whose vLLM kernel
-    library has the W4A16 GEMM, and nothing runs where it has none (AVX2)."""
+    library has the W4A16 GEMM; where it has none (AVX2) nothing runs, and no child is started to learn it."""
     from qarl_cli.machine.capabilities_probe import w4a16_dtypes
 
     monkeypatch.delenv(DTYPES_ENV, raising=False)
@@ -165,7 +166,14 @@ def test_the_w4a16_probe_runs_vllm_in_float16_where_its_library_has_the_gemm(mon
         assert not runs and not vllm_serving("w4a16", moe=False, gpu=False).served
     # cached: the next ask runs nothing; and only this answer: a probe writes its W4A16 checkpoint with its own
     # dtype's scales and asks nothing (when its scheme asked, each probe started probes of its own, without end)
-    assert len(list((tmp_path / "capabilities").glob("w4a16-dtypes-*.json"))) == 1
+    cached = list((tmp_path / "capabilities").glob("w4a16-dtypes-*.json"))
+    assert len(cached) == 1
+    # vLLM was started in each candidate dtype where the library the flags select has the GEMM, and in none where
+    # it has not (the flags qarl reads: with QARL_CPU_FLAGS forced to another kind, that kind's library)
+    from qarl_cli.machine.capabilities import build_has
+
+    tried = json.loads(cached[0].read_text())["tried"]
+    assert tried == (["bfloat16", "float16"] if build_has("cpu_gemm_wna16", cpu_flags()) else []), tried
 
 
 def test_a_probe_never_asks_for_a_probe(monkeypatch):

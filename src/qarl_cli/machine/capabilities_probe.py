@@ -66,9 +66,14 @@ def w4a16_dtypes(flags: frozenset) -> frozenset:
             return frozenset(json.loads(cache.read_text())["runs"])
         except (OSError, ValueError, KeyError):
             pass
-        runs = [d for d in CANDIDATES if _runs(d)]
+        from qarl_cli.machine.capabilities import build_has
+
+        # A kernel library without the GEMM runs W4A16 in no dtype: no child is started to find that out (two
+        # vLLM starts, 40 s of a core on the AVX2 kind)
+        tried = list(CANDIDATES) if build_has("cpu_gemm_wna16", flags) else []
+        runs = [d for d in tried if _runs(d)]
         tmp = cache.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"runs": runs, "tried": list(CANDIDATES)}))
+        tmp.write_text(json.dumps({"runs": runs, "tried": tried}))
         tmp.replace(cache)
     return frozenset(runs)
 
