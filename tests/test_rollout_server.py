@@ -69,7 +69,8 @@ def _perturb(model, seed, scale=0.02):
 
 @pytest.fixture(scope="module")
 def int8_pair(src):
-    engine = _engine(src, Int8Config(), num_servers=2)
+    # two requests in flight per server: the killed server's third request finds others still in flight
+    engine = _engine(src, Int8Config(), num_servers=2, max_concurrency=2)
     yield engine
     engine.close()
 
@@ -169,38 +170,37 @@ def test_a_bad_tensor_reaches_no_server(src, int8_pair):
     sync.close()
 
 
-def test_a_server_killed_mid_rollout_loses_no_sample(src):
-    """SIGKILL of one server's process group as it takes its third request of a rollout (its first two answered,
-    other requests in flight on both servers): the rollout completes with every
-    request answered once (the dead server's requests resubmitted, the server restarted with the current
-    weights replayed into it)."""
-    engine = _engine(src, NoQuantConfig(), num_servers=2, max_concurrency=2)
+def test_a_server_killed_mid_rollout_loses_no_sample(src, int8_pair):
+    """SIGKILL of one server's process group as it takes its third request of a rollout (other requests in
+    flight on both servers): the rollout completes with every request answered once (the dead server's requests
+    resubmitted, the server restarted with the current weights replayed into it, requantized to int8). The
+    module's pair afterwards serves the trainer's weights on both servers, as the next tests expect."""
+    trainer = _trainer(src, Int8Config())
+    _perturb(trainer, 3)
+    sync = _sync(src, Int8Config())
+    sync.push(trainer, int8_pair)
+    victim = int8_pair.servers[0]
+    pid, restarts = victim.proc.pid, victim.restarts
+    calls, post = [0], victim.post
+
+    def dies_at_its_third_request(path, body=None, **kw):  # mid-rollout, whatever the machine's speed
+        if path == "/v1/completions":
+            calls[0] += 1
+            if calls[0] == 3:
+                os.killpg(pid, signal.SIGKILL)
+                victim.proc.wait()
+        return post(path, body, **kw)
+
+    victim.post = dies_at_its_third_request
     try:
-        trainer = _trainer(src, NoQuantConfig())
-        _perturb(trainer, 3)
-        sync = _sync(src, NoQuantConfig())
-        sync.push(trainer, engine)
-        victim = engine.servers[0]
-        pid = victim.proc.pid
-        calls, post = [0], victim.post
-
-        def dies_at_its_third_request(path, body=None, **kw):  # mid-rollout, whatever the machine's speed
-            if path == "/v1/completions":
-                calls[0] += 1
-                if calls[0] == 3:
-                    os.killpg(pid, signal.SIGKILL)
-                    victim.proc.wait()
-            return post(path, body, **kw)
-
-        victim.post = dies_at_its_third_request
-        batch = engine.generate(PROMPTS, 4, 1.0, 1.0, 40, seed=9)
-        assert len(batch) == len(PROMPTS) * 4 and batch.prompt_index == [i for i in range(24) for _ in range(4)]
-        assert batch.meta["resubmitted"] >= 1 and victim.restarts == 1 and victim.proc.pid != pid
-        # the restarted server serves the pushed weights, not its start-up checkpoint
-        sync.verify(trainer, engine)
-        sync.close()
+        batch = int8_pair.generate(PROMPTS, 4, 1.0, 1.0, 40, seed=9)
     finally:
-        engine.close()
+        victim.post = post
+    assert len(batch) == len(PROMPTS) * 4 and batch.prompt_index == [i for i in range(24) for _ in range(4)]
+    assert batch.meta["resubmitted"] >= 1 and victim.restarts == restarts + 1 and victim.proc.pid != pid
+    # the restarted server serves the pushed weights, not its start-up checkpoint
+    sync.verify(trainer, int8_pair)
+    sync.close()
 
 
 def _tagged(tag):
