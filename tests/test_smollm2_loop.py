@@ -50,30 +50,37 @@ def _model(src, quant=None):
     return align(model, build_scheme(quant, "cpu")) if quant is not None else model
 
 
-def _generate(kind, src, quant, prompts, **kw):
+def _generate(kind, src, quant, *calls):
+    """engine.generate(prompts, **kw) for each (prompts, kw) of `calls`, on one engine started once."""
     engine = _engine(kind, src, quant)
     try:
-        return engine.generate(prompts, **kw)
+        return [engine.generate(prompts, **kw) for prompts, kw in calls]
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def int8_batch(smollm2, prompts):
+    """Two prompts' samples from the torch engine with int8 rollouts: what both forwards' update trains on."""
+    return _generate("torch", smollm2, Int8Config(),
+                     (prompts[:2], dict(n=2, temperature=1.0, top_p=1.0, max_tokens=16, seed=0)))[0]
 
 
 @pytest.mark.parametrize("kind", ["vllm", "torch"])
 def test_each_engine_samples_with_the_logprobs_of_transformers(smollm2, prompts, kind):
     from qarl_cli.forward.logprobs import sequence_logprobs
 
-    batch = _generate(kind, smollm2, NoQuantConfig(), prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=24,
-                      seed=0)
+    batch, greedy = _generate(kind, smollm2, NoQuantConfig(),
+                              (prompts, dict(n=2, temperature=1.0, top_p=1.0, max_tokens=24, seed=0)),
+                              (prompts[:1], dict(n=1, temperature=0.0, top_p=1.0, max_tokens=12, seed=0)))
     assert batch.prompt_index == [0, 0, 1, 1, 2, 2, 3, 3] and all(1 <= n <= 24 for n in batch.lengths)
     full = [prompts[i] + r for i, r in zip(batch.prompt_index, batch.response_ids)]
-    recomputed = sequence_logprobs(_model(smollm2), full)
+    model = _model(smollm2)
+    recomputed = sequence_logprobs(model, full)
     expected = torch.tensor([x for i, lp in zip(batch.prompt_index, recomputed) for x in lp[len(prompts[i]) - 1:]])
     got = torch.tensor([x for lp in batch.rollout_logprobs for x in lp])
     diff = (got - expected).abs()
     assert diff.mean() < 1e-3 and diff.max() < 2e-2, (diff.mean(), diff.max())
-    greedy = _generate(kind, smollm2, NoQuantConfig(), prompts[:1], n=1, temperature=0.0, top_p=1.0, max_tokens=12,
-                       seed=0)
-    model = _model(smollm2)
     out = model.generate(torch.tensor(prompts[:1]), max_new_tokens=12, do_sample=False,
                          pad_token_id=model.config.eos_token_id)
     assert greedy.response_ids[0] == out[0, len(prompts[0]):].tolist()
@@ -107,8 +114,8 @@ def test_int8_engine_mismatch_is_the_w8a8_rounding_chaos_of_this_model(smollm2, 
     from qarl_cli.update.learner import token_logprobs
     from qarl_cli.update.sequences import pack
 
-    batch = _generate("vllm", smollm2, Int8Config(), prompts, n=2, temperature=1.0, top_p=1.0, max_tokens=48,
-                      seed=0)
+    batch = _generate("vllm", smollm2, Int8Config(),
+                      (prompts, dict(n=2, temperature=1.0, top_p=1.0, max_tokens=48, seed=0)))[0]
     seqs = pack(prompts, batch, 0)
 
     def logprobs(quant, noisy):
@@ -131,19 +138,19 @@ def test_int8_engine_mismatch_is_the_w8a8_rounding_chaos_of_this_model(smollm2, 
 
 
 @pytest.mark.parametrize("forward", ["bf16", "aligned"])
-def test_one_update_with_each_forward_moves_the_masters(smollm2, prompts, forward):
+def test_one_update_with_each_forward_moves_the_masters(smollm2, prompts, int8_batch, forward):
     from qarl_cli.config.algorithm import TBPOConfig
     from qarl_cli.config.root import TrainConfig
     from qarl_cli.stages import resolve
     from qarl_cli.update.learner import Learner
     from qarl_cli.update.sequences import pack
 
-    batch = _generate("torch", smollm2, Int8Config(), prompts[:2], n=2, temperature=1.0, top_p=1.0,
-                      max_tokens=16, seed=0)
-    seqs = pack(prompts[:2], batch, 0)
+    seqs = pack(prompts[:2], int8_batch, 0)
     model = _model(smollm2, Int8Config() if forward == "aligned" else None).train()
     masters = {n: p.detach().clone() for n, p in model.named_parameters()}
-    learner = Learner(model, TrainConfig(), resolve("algorithm", "tbpo"), torch.device("cpu"))
+    # AdamW: the forward's gradient is under test, not the optimizer (Muon's Newton-Schulz iterations over this
+    # model's 210 matrices are 20 s of one core here; tests/test_optim.py and the FSDP tests cover Muon)
+    learner = Learner(model, TrainConfig(optimizer="adamw"), resolve("algorithm", "tbpo"), torch.device("cpu"))
     old = learner.old_logprobs(seqs)
     metrics = learner.update(seqs, old, torch.tensor([1.0, -1.0, -1.0, 1.0]), TBPOConfig(), seed=0)
     assert metrics["update/optimizer_steps"] == 1 and metrics["update/skipped_steps"] == 0
