@@ -259,16 +259,15 @@ def test_asynchronous_rollouts_over_two_servers_then_sigterm_leaves_no_server(tm
 
 
 def test_an_unreachable_url_fails_in_seconds_naming_it(src):
-    """Nothing listens at the attached URL: one line naming it and the option, after the attach grace, not the
-    start-up timeout (600 s)."""
+    """Nothing listens at the attached URL: one line naming it and the option, after the attach grace
+    (rollout.attach_grace_s, 2 s here), not the start-up timeout (600 s)."""
     from qarl_cli.config.errors import UserError
-    from qarl_cli.rollout.server_process import ATTACH_GRACE_S
 
     start = time.monotonic()
     with pytest.raises(UserError, match=r"nothing answers at http://127\.0\.0\.1:1 \(rollout\.urls\[0\]: "
-                                        r"connection refused"):
-        _engine(src, NoQuantConfig(), urls=["http://127.0.0.1:1"])
-    assert time.monotonic() - start < ATTACH_GRACE_S + 30
+                                        r"connection refused for 2 s, rollout\.attach_grace_s\)"):
+        _engine(src, NoQuantConfig(), urls=["http://127.0.0.1:1"], attach_grace_s=2.0)
+    assert 2.0 < time.monotonic() - start < 2.0 + 30
 
 
 def test_a_mismatched_run_is_refused_before_anything_reaches_the_server(src, int8_pair):

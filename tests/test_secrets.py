@@ -32,7 +32,7 @@ def _grep(root, text):
 
 def test_a_key_on_the_command_line_reaches_no_file_of_the_run_or_the_sweep(tmp_path):
     """A run (attached to nothing, so it stops after Hydra wrote its record) and a two-job sweep of them."""
-    args = ["rollout=vllm_server", f"rollout.api_key={SECRET}", "rollout.urls=[http://127.0.0.1:1]", "steps=1",
+    args = ["rollout=vllm_server", f"rollout.api_key={SECRET}", "rollout.urls=[http://127.0.0.1:1]", "rollout.attach_grace_s=1", "steps=1",
             "eval_every=0"]
     run = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "qarl_cli.cli", "train", *args, f"hydra.run.dir={run}"],

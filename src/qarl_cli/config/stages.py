@@ -107,6 +107,9 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
     api_key: Optional[str] = None
     max_concurrency: int = 64  # requests in flight per server
     startup_timeout_s: float = 600.0
+    # An attached server (urls) that refuses connections (or whose host does not resolve) this long is not coming:
+    # the run stops naming it. One that answers is starting, and gets startup_timeout_s.
+    attach_grace_s: float = 10.0
     request_timeout_s: float = 600.0
     restart_failed: bool = True  # a server that dies is restarted (false: dropped, the others take its requests)
     max_restarts: int = 3  # per server and run
@@ -121,7 +124,8 @@ class VLLMServerRolloutConfig(VLLMRolloutConfig):
     transfer_timeout_s: float = 120.0
     DOMAINS: ClassVar[dict] = {
         "num_servers": ge(1), "base_port": between(0, 65535, "0: free ports chosen at start"),
-        "max_concurrency": ge(1), "startup_timeout_s": gt(0, "seconds"), "request_timeout_s": gt(0, "seconds"),
+        "max_concurrency": ge(1), "startup_timeout_s": gt(0, "seconds"), "attach_grace_s": gt(0, "seconds"),
+        "request_timeout_s": gt(0, "seconds"),
         "max_restarts": ge(0, "0: a server that dies is not restarted"), "transfer_timeout_s": gt(0, "seconds")}
 
     def __post_init__(self) -> None:

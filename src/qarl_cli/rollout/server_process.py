@@ -43,7 +43,6 @@ def first_exception(log: str, limit: int = 400) -> str:
     return lines[-1].strip() if lines else "an empty log"
 
 
-ATTACH_GRACE_S = 10.0  # how long an attached server may refuse connections before the run gives up on it
 
 
 def _reason(e: Exception) -> str:
@@ -103,11 +102,13 @@ class Server:
     """One vLLM server: a process qarl started (`command` given) or a URL it was told about."""
 
     def __init__(self, index: int, url: str, key: str, command: Optional[list[str]] = None,
-                 env: Optional[dict] = None, log: Optional[Path] = None, timeout: float = 600.0) -> None:
+                 env: Optional[dict] = None, log: Optional[Path] = None, timeout: float = 600.0,
+                 attach_grace: Optional[float] = None) -> None:
         import requests
 
         self.index, self.url, self.command, self.env, self.log = index, url.rstrip("/"), command, env, log
         self.timeout = timeout
+        self.attach_grace = attach_grace  # an attached server (no command): rollout.attach_grace_s
         self.headers = {"Authorization": f"Bearer {key}"}
         self.proc: Optional[subprocess.Popen] = None
         self.stopped = False  # stop() was called: a start under way gives up (Ctrl-C during start-up)
@@ -137,7 +138,7 @@ class Server:
 
     def wait_healthy(self, timeout: float) -> None:
         """Until /health answers 200. A server qarl started may take `timeout` (loading); an attached one that
-        nothing answers for at any attempt over ATTACH_GRACE_S (connection refused, no such host) is not coming."""
+        nothing answers for at any attempt over its attach grace (connection refused, no such host) is not coming."""
         deadline = time.monotonic() + timeout
         unreachable_since: Optional[float] = None
         while True:
@@ -153,10 +154,10 @@ class Server:
             except self._requests.RequestException as e:
                 if self.command is None:
                     unreachable_since = unreachable_since or time.monotonic()
-                    if time.monotonic() - unreachable_since > ATTACH_GRACE_S:
+                    if time.monotonic() - unreachable_since > self.attach_grace:
                         raise UserError(f"{NAME}: nothing answers at {self.url} (rollout.urls[{self.index}]: "
-                                        f"{_reason(e)} for {ATTACH_GRACE_S:.0f} s); start the server first "
-                                        "(qarl serve) or fix the address") from None
+                                        f"{_reason(e)} for {self.attach_grace:g} s, rollout.attach_grace_s); start "
+                                        "the server first (qarl serve) or fix the address") from None
             if time.monotonic() > deadline:
                 raise UserError(f"{NAME}: server {self.index} ({self.url}) not healthy after {timeout:.0f} s "
                                 f"(rollout.startup_timeout_s)" + (f"; the last lines of {self.log}:\n{self.tail()}"

@@ -72,7 +72,8 @@ class ServerEngine:
             dtype = capabilities.for_engine(scheme.cfg, self.source, device, self.name).dtype or dtype
             self.identity = server_check.identity(self.source, served, scheme.name)
             if cfg.urls:
-                self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s) for i, u in enumerate(cfg.urls)]
+                self.servers = [Server(i, u, self.key, timeout=cfg.request_timeout_s, attach_grace=cfg.attach_grace_s)
+                                for i, u in enumerate(cfg.urls)]
             else:
                 on_gpu = torch.cuda.is_available() and device != "cpu"
                 check_capacity(cfg, torch.cuda.device_count() if on_gpu else 0)
