@@ -94,8 +94,11 @@ def small_filesystem(where: Path) -> Path | str:
     its second (6.5 MB with AdamW's moments), so a run's second checkpoint meets a really full device. Mounting
     needs root (or CAP_SYS_ADMIN); elsewhere the reason, and the case is skipped."""
     where.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(where)], capture_output=True,
-                         text=True)
+    try:
+        out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(where)], capture_output=True,
+                             text=True)
+    except OSError as e:  # no mount(8) on this machine
+        return f"cannot mount a 5 MiB tmpfs here ({e.strerror}: mount)"
     return where if out.returncode == 0 else f"cannot mount a 5 MiB tmpfs here ({out.stderr.strip()[:80]})"
 
 
