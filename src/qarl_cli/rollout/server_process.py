@@ -43,8 +43,6 @@ def first_exception(log: str, limit: int = 400) -> str:
     return lines[-1].strip() if lines else "an empty log"
 
 
-
-
 def _reason(e: Exception) -> str:
     """A connection error's cause in a few words (requests nests the socket error deep in its message)."""
     text = str(e)
