@@ -88,7 +88,9 @@ CTRL_C_DURING_START = """
 import os, sys, types
 from pathlib import Path
 from qarl_cli.rollout.server_process import Server, _free_port
+from qarl_cli.machine import signals
 from qarl_cli.rollout.vllm_server import ServerEngine
+signals.install()  # as qarl's commands do: Ctrl-C armed even where the suite was started with SIGINT ignored
 out = Path(sys.argv[1])
 never_healthy = [sys.executable, "-c", "import time; time.sleep(600)"]  # a server that never answers /health
 servers = [Server(i, f"http://127.0.0.1:{_free_port('127.0.0.1')}", "key", never_healthy, dict(os.environ),
