@@ -312,7 +312,10 @@ def main() -> None:
              f"{sorted({r['seed'] for r in results})}, {sum(r['wall_s'] for r in results) / 60:.0f} run-minutes "
              f"({minutes:.0f} minutes for this invocation, {args.jobs} at once)")
     start_file = args.runs_dir / "start" / "start.json"
-    start = json.loads(start_file.read_text()) if start_file.is_file() else []
+    # The start table is kept in the study's JSON too, so that a checkout without the runs keeps it.
+    earlier = args.out_dir / "dose_response.json"
+    start = (json.loads(start_file.read_text()) if start_file.is_file()
+             else json.loads(earlier.read_text()).get("start", []) if earlier.is_file() else [])
     start_md = ("\n## Before training: the start model through each dose\n\n`--start-only N` (`qarl eval` of "
                 "model=tiny_sum on the first N test problems, rollout=torch):\n\n"
                 + markdown(list(start[0]), [list(r.values()) for r in start])) if start else ""
