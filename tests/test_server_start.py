@@ -164,3 +164,41 @@ def test_a_launched_server_logs_to_its_own_file_not_the_run_s_engine_log(monkeyp
     _, env = server_command(VLLMServerRolloutConfig(), tmp_path, 8000, "key", dtype="float32", seed=0,
                             max_model_len=64, on_gpu=False, identity="qarl:model=x")
     assert "VLLM_LOGGING_CONFIG_PATH" not in env and env["PATH"] == os.environ["PATH"]
+
+
+def _one_answer_server(answer: bytes):
+    """A socket on 127.0.0.1 that answers one HTTP request with `answer` and closes: a server whose process is
+    killed while it writes a response leaves exactly such a cut answer behind."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+
+    def serve():
+        conn, _ = sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+        sock.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["whole", "cut-mid-answer"])
+def test_an_answer_cut_off_mid_body_is_a_dead_server_not_a_crash(cut):
+    """A server SIGKILLed while it streams an answer's body leaves the client a short read (requests'
+    ChunkedEncodingError, not a ConnectionError). That is the server dying, to be resubmitted elsewhere, not an
+    exception out of the rollout; a whole answer is still its JSON."""
+    from qarl_cli.rollout.server_process import Server, ServerDied
+
+    body = b'{"choices": [{"text": "12"}]}'
+    head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    server = Server(0, _one_answer_server(head + (body[:5] if cut else body)), key="k", timeout=10)
+    if cut:
+        with pytest.raises(ServerDied, match="server 0"):
+            server.post("/v1/completions", {"prompt": [1]})
+    else:
+        assert server.post("/v1/completions", {"prompt": [1]}) == {"choices": [{"text": "12"}]}

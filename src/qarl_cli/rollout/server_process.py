@@ -191,7 +191,8 @@ class Server:
         try:
             r = self.session().request(method, f"{self.url}{path}", headers=self.headers,
                                        timeout=timeout or self.timeout, **kwargs)
-        except (self._requests.ConnectionError, self._requests.Timeout) as e:
+        except (self._requests.ConnectionError, self._requests.Timeout,
+                self._requests.exceptions.ChunkedEncodingError) as e:  # the last: it died mid-answer
             raise ServerDied(f"server {self.index} ({self.url}): {type(e).__name__}") from e
         if r.status_code >= 500 and not self.alive():
             raise ServerDied(f"server {self.index} ({self.url}) exited (code {self.proc.returncode})")
