@@ -28,7 +28,8 @@ Writes docs/dose_response.md (the table), .json (every run) and .png (final accu
 naive's mismatch, per regime). A finished run is read back, not trained again: the study can be grown over
 several invocations (more doses, then more seeds). So is a run the out-dir's JSON already records (its run
 directory gone, or made on another machine): the committed study is the record, and a run directory, where it
-exists, takes its place."""
+exists, takes its place. The JSON keeps every run it records, also those outside a later invocation's plan;
+the table and plot cover the plan."""
 
 from __future__ import annotations
 
@@ -311,6 +312,12 @@ def main() -> None:
     scale = (f"{len(results)} runs ({reread} read back from the JSON of an earlier invocation), seeds "
              f"{sorted({r['seed'] for r in results})}, {sum(r['wall_s'] for r in results) / 60:.0f} run-minutes "
              f"({minutes:.0f} minutes for this invocation, {args.jobs} at once)")
+    # The JSON is the study's record: runs an earlier invocation recorded outside this plan (another dose, regime
+    # or arm) stay in it, so growing the study one leg at a time into one out-dir never drops a leg already run.
+    planned = {name(r) for r in results}
+    kept = [r for n, r in recorded.items() if n not in planned]
+    if kept:
+        scale += f"; the JSON also keeps {len(kept)} recorded runs outside this plan"
     start_file = args.runs_dir / "start" / "start.json"
     # The start table is kept in the study's JSON too, so that a checkout without the runs keeps it.
     earlier = args.out_dir / "dose_response.json"
@@ -331,7 +338,8 @@ def main() -> None:
         "10's.\n\n![dose response](dose_response.png)\n" + start_md)
     (args.out_dir / "dose_response.json").write_text(json.dumps(
         {"scale": scale, "rows": rows, "start": start, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
-            "first": r["summary"]["first"], "last": r["summary"]["last"]} for r in results]}, indent=1) + "\n")
+            "first": r["summary"]["first"], "last": r["summary"]["last"]} for r in results + kept]}, indent=1)
+        + "\n")
     print(text)
     print(f"{scale}; wrote {args.out_dir}/dose_response.md, .json and .png")
 
