@@ -190,6 +190,39 @@ def table(results: list[dict]) -> list[dict]:
     return rows
 
 
+def paired(results: list[dict]) -> list[dict]:
+    """Each arm against naive at the same regime, dose and seed: the seed fixes the start model's samples and the
+    order of the problems, so the seed-by-seed difference removes what the arms share, which the spread over
+    seeds in the main table does not. bf16 is paired with every dose's naive of its regime."""
+    final = {(r["regime"], r["arm"], r["bits"], r.get("group"), r["seed"]): 100 * r["summary"]["last"]["eval/avg@4"]
+             for r in results}
+    start = {(r["regime"], r["arm"], r["bits"], r.get("group"), r["seed"]): r["summary"]["first"]["eval/avg@4"]
+             for r in results}
+    rows = []
+    for regime, b, g in sorted({(reg, b, g) for reg, arm, b, g, _ in final if arm == "naive"},
+                               key=lambda k: (k[0], -k[1], -(k[2] or 128))):
+        naive = {seed: acc for (reg, arm, bb, gg, seed), acc in final.items()
+                 if (reg, arm, bb, gg) == (regime, "naive", b, g)}
+        for arm in sorted({arm for _, arm, *_ in final} - {"naive"}):
+            dose = (0, None) if arm == "bf16" else (b, g)
+            # rounded: avg@4 moves in steps of 1/(4 x problems), and a float remainder is no lead
+            diffs = [round(final[regime, arm, *dose, seed] - naive[seed], 6)
+                     for seed in sorted(naive) if (regime, arm, *dose, seed) in final]
+            # A pair run on different CPU kinds samples differently from the step-0 evaluation on (the quantized
+            # engine's GEMMs round differently), so it shares the seed but not the start: counted, not hidden.
+            same = sum(start[regime, arm, *dose, seed] == start[regime, "naive", b, g, seed]
+                       for seed in sorted(naive) if (regime, arm, *dose, seed) in final)
+            if diffs:
+                mean, std = mean_std(diffs)
+                rows.append({"regime": regime, "dose": label(b, g), "arm": arm, "seeds": len(diffs),
+                             "minus naive, by seed": ", ".join(f"{d:+.1f}" for d in diffs),
+                             "mean ± std": f"{mean:+.1f} ± {std:.1f}",
+                             "ahead / level / behind": " / ".join(str(sum(map(test, diffs))) for test in (
+                                 lambda d: d > 0, lambda d: d == 0, lambda d: d < 0)),
+                             "same start": f"{same} of {len(diffs)}" if arm != "bf16" else "-"})
+    return rows
+
+
 def plot(rows: list[dict], results: list[dict], out: Path) -> None:
     import matplotlib
 
@@ -303,7 +336,7 @@ def main() -> None:
 
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
             results = list(pool.map(do, todo))
-    rows = table(results)
+    rows, pairs = table(results), paired(results)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     plot(rows, results, args.out_dir / "dose_response.png")
     text = markdown(list(rows[0]), [list(map(str, r.values())) for r in rows])
@@ -326,6 +359,11 @@ def main() -> None:
     start_md = ("\n## Before training: the start model through each dose\n\n`--start-only N` (`qarl eval` of "
                 "model=tiny_sum on the first N test problems, rollout=torch):\n\n"
                 + markdown(list(start[0]), [list(r.values()) for r in start])) if start else ""
+    pairs_md = ("\n## Against naive, seed by seed\n\nFinal test avg@4 (quantized engine) of each arm minus naive's "
+                "at the same regime, dose and seed (the seed fixes the problem order and the sampling), in points; same start: "
+                "the pairs whose step-0 evaluation came out identical (a pair run on different CPU kinds may not; "
+                "bf16 starts unquantized):\n\n"
+                + markdown(list(pairs[0]), [list(r.values()) for r in pairs])) if pairs else ""
     (args.out_dir / "dose_response.md").write_text(
         "# The mismatch dose-response on the long-response task\n\nProduced by `scripts/dose_response.py` "
         f"(`{' '.join(sys.argv[1:]) or 'defaults'}`); numbers as measured, whichever way they came out.\n\n"
@@ -335,9 +373,9 @@ def main() -> None:
         "steps. final (quantized): the last test avg@4 through the run's own low-bit engine; final (bf16 masters): "
         "the final checkpoint's masters evaluated unquantized. A collapse: final avg@4 more than "
         f"{COLLAPSE_POINTS:g} points below the start, or the last 10 steps' train reward below half the first "
-        "10's.\n\n![dose response](dose_response.png)\n" + start_md)
+        "10's.\n\n![dose response](dose_response.png)\n" + pairs_md + start_md)
     (args.out_dir / "dose_response.json").write_text(json.dumps(
-        {"scale": scale, "rows": rows, "start": start, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
+        {"scale": scale, "rows": rows, "paired": pairs, "start": start, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
             "first": r["summary"]["first"], "last": r["summary"]["last"]} for r in results + kept]}, indent=1)
         + "\n")
     print(text)
