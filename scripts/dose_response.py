@@ -179,8 +179,9 @@ def table(results: list[dict]) -> list[dict]:
         start = statistics.fmean(100 * g["summary"]["first"]["eval/avg@4"] for g in grp)
         late = {k: statistics.fmean(late_mean(g["steps"], k) for g in grp) for k in PER_STEP}
         rows.append({"regime": regime, "dose": "bf16" if arm == "bf16" else label(*bits), "arm": arm,
-                     "seeds": len(grp), "naive k3": "-" if arm == "bf16" else f"{naive_k3.get((regime, bits), 0):.2e}",
-                     "naive ESS": "-" if arm == "bf16" else f"{naive_ess.get((regime, bits), 1):.3f}",
+                     # "-" also where the plan has no naive run at this dose: no measured mismatch to show
+                     "seeds": len(grp), "naive k3": f"{naive_k3[regime, bits]:.2e}" if (regime, bits) in naive_k3
+                     else "-", "naive ESS": f"{naive_ess[regime, bits]:.3f}" if (regime, bits) in naive_ess else "-",
                      "start": f"{start:.1f}", "final (quantized)": f"{q[0]:.1f} ± {q[1]:.1f}",
                      "final (bf16 masters)": f"{m[0]:.1f} ± {m[1]:.1f}", "k3 (own)": f"{late['mismatch/k3_kl']:.2e}",
                      "error tok %": f"{100 * late['error_tokens/any_frac']:.1f}",
