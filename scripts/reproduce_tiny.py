@@ -110,7 +110,9 @@ def one_run(run_dir: Path, overrides: list[str], args, core: int | None) -> dict
             cmd.append("train_threads=1")
             env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND=str(core))
         run_dir.mkdir(parents=True, exist_ok=True)
-        with (run_dir / "stdout.log").open("w") as log:
+        # appended to, never truncated: a launch into a directory that another process is training in is refused
+        # by `qarl train`'s lock, and must not cut that live run's console log on its way out
+        with (run_dir / "stdout.log").open("a") as log:
             done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                   preexec_fn=None if core is None else lambda: os.sched_setaffinity(0, {core}))
         if done.returncode != 0:
