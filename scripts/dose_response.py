@@ -361,9 +361,9 @@ def main() -> None:
                 "model=tiny_sum on the first N test problems, rollout=torch):\n\n"
                 + markdown(list(start[0]), [list(r.values()) for r in start])) if start else ""
     pairs_md = ("\n## Against naive, seed by seed\n\nFinal test avg@4 (quantized engine) of each arm minus naive's "
-                "at the same regime, dose and seed (the seed fixes the problem order and the sampling), in points; same start: "
-                "the pairs whose step-0 evaluation came out identical (a pair run on different CPU kinds may not; "
-                "bf16 starts unquantized):\n\n"
+                "at the same regime, dose and seed (the seed fixes the problem order and the sampling), in points; "
+                "same start: the pairs whose step-0 evaluation came out identical (a pair run on different CPU kinds "
+                "may not; bf16 starts unquantized):\n\n"
                 + markdown(list(pairs[0]), [list(r.values()) for r in pairs])) if pairs else ""
     (args.out_dir / "dose_response.md").write_text(
         "# The mismatch dose-response on the long-response task\n\nProduced by `scripts/dose_response.py` "
@@ -376,8 +376,10 @@ def main() -> None:
         f"{COLLAPSE_POINTS:g} points below the start, or the last 10 steps' train reward below half the first "
         "10's.\n\n![dose response](dose_response.png)\n" + pairs_md + start_md)
     (args.out_dir / "dose_response.json").write_text(json.dumps(
-        {"scale": scale, "rows": rows, "paired": pairs, "start": start, "runs": [{k: v for k, v in r.items() if k != "summary"} | {
-            "first": r["summary"]["first"], "last": r["summary"]["last"]} for r in results + kept]}, indent=1)
+        {"scale": scale, "rows": rows, "paired": pairs, "start": start,
+         "runs": [{k: v for k, v in r.items() if k != "summary"} | {"first": r["summary"]["first"],
+                                                                    "last": r["summary"]["last"]}
+                  for r in results + kept]}, indent=1)
         + "\n")
     print(text)
     print(f"{scale}; wrote {args.out_dir}/dose_response.md, .json and .png")

@@ -59,7 +59,7 @@ def test_each_arm_is_compared_with_naive_seed_by_seed(tmp_path):
                 seeds = [s for s in range(3) if (regime, arm, *own, s) in final and (regime, "naive", bits, group, s)
                          in final]
                 if not seeds:
-                    continue  # a cell the study has not run (4-bit token TIS with four updates per batch)
+                    continue  # a cell the committed study has not run
                 diffs = [final[regime, arm, *own, s] - final[regime, "naive", bits, group, s] for s in seeds]
                 same = sum(start[regime, arm, *own, s] == start[regime, "naive", bits, group, s] for s in seeds)
                 expected.add((regime, dose, arm, len(seeds), ", ".join(f"{d:+.1f}" for d in diffs),

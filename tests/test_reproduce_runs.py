@@ -1,7 +1,8 @@
 """The study scripts' runs (scripts/reproduce_tiny.py's `one_run`, which scripts/dose_response.py calls): a launch
 into a run directory that another process is training in is refused by `qarl train`'s lock, and leaves that run's
 console log whole. Before the log was appended to, the refused launch truncated it: two study invocations that
-both planned one unfinished run cut its first 117 steps of console output (its metrics were untouched)."""
+both planned one unfinished run cut the first 117 steps of that run's console output (its metrics were
+untouched)."""
 
 import argparse
 import fcntl
